@@ -1,0 +1,105 @@
+"""Label math as pure tensor functions: data_gen labels with them, decode decides with them.
+
+p is the target's next-token distribution, q the draft's, both after decode.sampling.transform.
+Zeros are handled exactly: 0 * log 0 = 0, and KL is +inf where p > 0 = q (never NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LN2 = math.log(2.0)
+
+
+def accept_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """(...) p(x), q(x) of a draft candidate x -> (...) alpha = min(1, p(x) / q(x)).
+
+    Where q(x) = 0 the draft could not have proposed x; alpha is then 1 by convention.
+    """
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny), torch.ones_like(p_x))
+    return ratio.clamp(max=1.0)
+
+
+def sprinter_ratio(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """(...) -> (...) q(x) / p(x), +inf where p(x) = 0 (the target never emits x)."""
+    return torch.where(p_x > 0, q_x / p_x.clamp_min(torch.finfo(p_x.dtype).tiny), torch.full_like(p_x, math.inf))
+
+
+def sprinter_label(ratio: torch.Tensor, gamma: float) -> torch.Tensor:
+    """(...) q/p -> (...) float label 1 when q(x)/p(x) <= gamma (SPRINTER's acceptable token)."""
+    return (ratio <= gamma).float()
+
+
+def kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., V), (..., V) -> (...) KL(p || q) in nats; +inf where some p > 0 = q."""
+    return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1).nan_to_num(nan=math.inf, posinf=math.inf)
+
+
+def js(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) Jensen-Shannon divergence in nats, in [0, ln 2]."""
+    m = 0.5 * (p + q)
+    out = 0.5 * (torch.xlogy(p, p) - torch.xlogy(p, m)).sum(-1) + 0.5 * (torch.xlogy(q, q) - torch.xlogy(q, m)).sum(-1)
+    return out.clamp(0.0, LN2)
+
+
+def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) total variation distance, in [0, 1]."""
+    return (0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0)
+
+
+def divergence(name: str, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) one of kl (KL(p||q)), kl_qp (KL(q||p)), js, tv."""
+    fns = {"kl": lambda: kl(p, q), "kl_qp": lambda: kl(q, p), "js": lambda: js(p, q), "tv": lambda: tv(p, q)}
+    if name not in fns:
+        raise ValueError(f"unknown divergence {name!r}; choose one of {sorted(fns)}")
+    return fns[name]()
+
+
+def fsd_label(div: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(...) divergence -> (...) float label 1 when D(p, q) <= T (FSD accepts the position)."""
+    return (div <= threshold).float()
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) Shannon entropy in nats."""
+    return -torch.xlogy(p, p).sum(-1)
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) sum_x min(p(x), q(x)) = E_{x~q}[alpha] = 1 - TV(p, q)."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (..., V) norm(max(0, p - q)), the resampling law after a rejection; p where p == q."""
+    r = (p - q).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(...) values, (...) bool mask -> () mean over the masked-in entries (inf/nan elsewhere ignored)."""
+    x = torch.where(mask, x, torch.zeros_like(x))
+    return x.sum() / mask.sum().clamp_min(1)
+
+
+def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(..., V) p, (..., V) q, (...) draft candidates -> dict of (...) per-position quantities."""
+    p_c = p.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
+    q_c = q.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
+    return {
+        "p_cand": p_c,
+        "q_cand": q_c,
+        "alpha": accept_prob(p_c, q_c),
+        "ratio_qp": sprinter_ratio(p_c, q_c),
+        "kl": kl(p, q),
+        "kl_qp": kl(q, p),
+        "js": js(p, q),
+        "tv": tv(p, q),
+        "expected_accept": expected_acceptance(p, q),
+        "target_entropy": entropy(p),
+        "draft_entropy": entropy(q),
+        "draft_top1": q.max(-1).values,
+    }

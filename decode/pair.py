@@ -1,0 +1,167 @@
+"""A draft/target pair of causal LMs sharing one vocabulary, described by configs/pairs/*.yaml.
+
+Loading checks the vocabularies before any model weights are read, so a mismatched pair
+fails in a second with a message naming both sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# Compared token by token between the two tokenizers: code, prose, digits, unicode, spaces.
+PROBE = "def f(x):\n    return x ** 2  # héllo, wörld 12345 \t{[()]}"
+
+
+@dataclass
+class Sampling:
+    """Sampling transform applied identically to both models; temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"invalid sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+
+
+@dataclass
+class ModelSpec:
+    """Where one model lives and how to place it."""
+
+    path: str
+    dtype: str = "float32"
+    device_map: str | None = None  # e.g. "auto" to shard a large target over GPUs
+    revision: str | None = None
+
+    def resolved(self) -> str:
+        """A local folder relative to the repository root, else the hub id unchanged."""
+        local = ROOT / self.path
+        return str(local) if local.exists() else self.path
+
+
+@dataclass
+class PairConfig:
+    """One draft/target pair: models, chat template use, sampling, and context limit."""
+
+    name: str
+    draft: ModelSpec
+    target: ModelSpec
+    sampling: Sampling = field(default_factory=Sampling)
+    chat_template: bool = False
+    max_context: int = 512
+    notes: str = ""
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> PairConfig:
+        path = Path(path)
+        if not path.is_absolute() and not path.exists():
+            path = ROOT / path
+        if not path.exists():
+            raise FileNotFoundError(f"pair config {path} not found; the shipped ones are in configs/pairs/")
+        raw = yaml.safe_load(path.read_text())
+        try:
+            return cls(
+                name=raw["name"],
+                draft=ModelSpec(**raw["draft"]),
+                target=ModelSpec(**raw["target"]),
+                sampling=Sampling(**raw.get("sampling", {})),
+                **{k: raw[k] for k in ("chat_template", "max_context", "notes") if k in raw},
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: malformed pair config ({e}); see configs/pairs/pycode.yaml") from e
+
+    def hash(self) -> str:
+        """Short hash of everything that changes the models' distributions."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+class VocabularyMismatch(ValueError):
+    """The draft and target do not share token ids, so p and q cannot be compared."""
+
+
+def check_vocabularies(draft_tok, target_tok) -> int:
+    """Shared vocabulary size V, or VocabularyMismatch naming what differs."""
+    nd, nt = len(draft_tok), len(target_tok)
+    if nd != nt:
+        raise VocabularyMismatch(
+            f"draft vocabulary has {nd} tokens, target vocabulary has {nt}: speculative decoding needs "
+            "one shared tokenizer. Pick a draft from the target's model family."
+        )
+    ids_d, ids_t = draft_tok.encode(PROBE), target_tok.encode(PROBE)
+    if ids_d != ids_t:
+        raise VocabularyMismatch(
+            f"draft and target have {nd} tokens each but tokenize {PROBE!r} differently "
+            f"({ids_d[:8]}... vs {ids_t[:8]}...): they are different tokenizers."
+        )
+    return nt
+
+
+@dataclass
+class Pair:
+    """Loaded models (eval mode, frozen) and tokenizer; vocab is the shared tokenizer size V."""
+
+    config: PairConfig
+    draft: torch.nn.Module
+    target: torch.nn.Module
+    tokenizer: object
+    vocab: int
+
+    def logits(self, model_logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_model) -> (..., V): drop padded embedding rows beyond the tokenizer."""
+        return model_logits[..., : self.vocab].float()
+
+    def identity(self, which: str = "draft") -> dict:
+        """What identifies a model: path, config hash, sizes (recorded in head checkpoints)."""
+        model = getattr(self, which)
+        cfg = model.config.to_dict()
+        for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+            cfg.pop(k, None)
+        digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return {
+            "path": getattr(self.config, which).path,
+            "config_hash": digest,
+            "hidden_size": model.config.hidden_size,
+            "vocab_size": self.vocab,
+            "num_layers": model.config.num_hidden_layers,
+        }
+
+
+def load_tokenizers(cfg: PairConfig):
+    from transformers import AutoTokenizer
+
+    d = AutoTokenizer.from_pretrained(cfg.draft.resolved(), revision=cfg.draft.revision)
+    t = AutoTokenizer.from_pretrained(cfg.target.resolved(), revision=cfg.target.revision)
+    return d, t
+
+
+def load_model(spec: ModelSpec):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.resolved(), dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision
+    )
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_pair(config: PairConfig | str | Path) -> Pair:
+    """Check the vocabularies, then load both models frozen in eval mode."""
+    cfg = config if isinstance(config, PairConfig) else PairConfig.from_yaml(config)
+    draft_tok, target_tok = load_tokenizers(cfg)
+    vocab = check_vocabularies(draft_tok, target_tok)
+    draft, target = load_model(cfg.draft), load_model(cfg.target)
+    for name, m in (("draft", draft), ("target", target)):
+        rows = m.get_output_embeddings().weight.shape[0]
+        if rows < vocab:
+            raise VocabularyMismatch(f"{name} has {rows} output rows for a {vocab}-token tokenizer")
+    if target_tok.pad_token_id is None:
+        target_tok.pad_token = target_tok.eos_token
+    return Pair(cfg, draft, target, target_tok, vocab)

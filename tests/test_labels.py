@@ -1,0 +1,91 @@
+import math
+
+import torch
+
+from decode import labels as L
+from decode.pair import Sampling
+from decode.sampling import sample, transform
+
+
+def rand_dist(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).mul(2).softmax(-1)
+
+
+def test_hand_computed_values():
+    p = torch.tensor([0.5, 0.5, 0.0])
+    q = torch.tensor([0.25, 0.25, 0.5])
+    assert math.isclose(L.tv(p, q).item(), 0.5, abs_tol=1e-6)
+    assert math.isclose(L.expected_acceptance(p, q).item(), 0.5, abs_tol=1e-6)
+    assert math.isclose(L.kl(p, q).item(), math.log(2), abs_tol=1e-6)  # 0.5 ln2 + 0.5 ln2
+    assert L.kl(q, p).item() == math.inf  # q puts mass where p has none
+    m = torch.tensor([0.375, 0.375, 0.25])
+    js = 0.5 * (p * (p / m).log()).nansum() + 0.5 * (q * (q / m).log()).sum()
+    assert math.isclose(L.js(p, q).item(), js.item(), abs_tol=1e-6)
+    assert math.isclose(L.entropy(p).item(), math.log(2), abs_tol=1e-6)
+    assert torch.allclose(L.residual(p, q), torch.tensor([0.5, 0.5, 0.0]))
+    assert torch.allclose(L.accept_prob(torch.tensor([0.1, 0.6]), torch.tensor([0.2, 0.3])), torch.tensor([0.5, 1.0]))
+    assert torch.allclose(L.sprinter_ratio(torch.tensor([0.1, 0.0]), torch.tensor([0.2, 0.3])),
+                          torch.tensor([2.0, math.inf]))
+
+
+def test_identical_distributions():
+    p = rand_dist(4, 7, 50)
+    assert torch.allclose(L.accept_prob(p[..., 0], p[..., 0]), torch.ones(4, 7))
+    for name in ("kl", "kl_qp", "js", "tv"):
+        assert L.divergence(name, p, p).abs().max() < 1e-5
+    assert torch.allclose(L.expected_acceptance(p, p), torch.ones(4, 7), atol=1e-5)
+    assert torch.allclose(L.residual(p, p), p)
+
+
+def test_bounds_on_random_and_disjoint_distributions():
+    p, q = rand_dist(100, 30, seed=1), rand_dist(100, 30, seed=2)
+    assert (L.js(p, q) <= L.LN2 + 1e-7).all() and (L.js(p, q) >= 0).all()
+    assert ((L.tv(p, q) >= 0) & (L.tv(p, q) <= 1)).all()
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])  # disjoint supports
+    assert math.isclose(L.js(a, b).item(), math.log(2), abs_tol=1e-6)
+    assert L.tv(a, b).item() == 1.0
+    assert not torch.isnan(L.kl(a, b)) and L.kl(a, b).item() == math.inf
+    assert (L.accept_prob(torch.tensor([0.0]), torch.tensor([0.0])) == 1).all()  # never NaN
+
+
+def test_js_tv_alpha_relation():
+    p, q = rand_dist(200, 20, seed=3), rand_dist(200, 20, seed=4)
+    # E_{x~q}[min(1, p/q)] == sum min(p, q) == 1 - TV
+    alpha_mean = (q * L.accept_prob(p, q)).sum(-1)
+    assert torch.allclose(alpha_mean, L.expected_acceptance(p, q), atol=1e-5)
+    assert torch.allclose(1 - L.tv(p, q), L.expected_acceptance(p, q), atol=1e-5)
+
+
+def test_masked_mean_ignores_masked_positions():
+    x = torch.tensor([1.0, 3.0, math.inf, float("nan")])
+    mask = torch.tensor([True, True, False, False])
+    assert L.masked_mean(x, mask).item() == 2.0
+
+
+def test_labels_thresholds():
+    ratio = torch.tensor([0.5, 1.0, 1.2, 1.3, math.inf])
+    assert L.sprinter_label(ratio, 1.2).tolist() == [1, 1, 1, 0, 0]
+    assert L.fsd_label(torch.tensor([0.0, 0.1, 0.2]), 0.1).tolist() == [1, 1, 0]
+
+
+def test_position_stats_shapes():
+    p, q = rand_dist(2, 5, 11, seed=5), rand_dist(2, 5, 11, seed=6)
+    cand = sample(q, torch.Generator().manual_seed(0))
+    stats = L.position_stats(p, q, cand)
+    for v in stats.values():
+        assert v.shape == (2, 5)
+    assert torch.allclose(stats["q_cand"], q.gather(-1, cand[..., None])[..., 0])
+
+
+def test_sampling_transform():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    greedy = transform(logits, Sampling(temperature=0))
+    assert greedy.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    top2 = transform(logits, Sampling(top_k=2))
+    assert (top2[0, 2:] == 0).all() and math.isclose(top2.sum().item(), 1.0, abs_tol=1e-6)
+    # top-p: first token has mass ~0.64 < 0.7, so the second is kept, the rest dropped
+    nucleus = transform(logits, Sampling(top_p=0.7))
+    assert (nucleus[0, :2] > 0).all() and (nucleus[0, 2:] == 0).all()
+    hot = transform(logits, Sampling(temperature=0.5))
+    assert hot[0, 0] > transform(logits, Sampling())[0, 0]

@@ -1,0 +1,67 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.pair import PairConfig, VocabularyMismatch, load_pair
+from tests.tiny import ALPHABET, write_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_pair_loads_and_cuts_padded_rows(tiny_pair):
+    assert tiny_pair.vocab == len(ALPHABET) + 1
+    rows = tiny_pair.target.get_output_embeddings().weight.shape[0]
+    assert rows > tiny_pair.vocab  # the target has padded embedding rows
+    logits = tiny_pair.target(torch.tensor([[1, 2, 3]])).logits
+    assert tiny_pair.logits(logits).shape[-1] == tiny_pair.vocab
+
+
+def test_vocabulary_size_mismatch_names_both_sizes(tmp_path):
+    path = write_tiny_pair(tmp_path, draft_alphabet=ALPHABET[:-3])
+    with pytest.raises(VocabularyMismatch, match=r"draft vocabulary has 21 tokens, target vocabulary has 24"):
+        load_pair(path)
+
+
+def test_same_size_different_tokens_is_refused(tmp_path):
+    path = write_tiny_pair(tmp_path, draft_alphabet=list(reversed(ALPHABET)))
+    with pytest.raises(VocabularyMismatch, match="tokenize"):
+        load_pair(path)
+
+
+def test_mismatch_is_found_before_models_load(tmp_path, monkeypatch):
+    import decode.pair as pair_mod
+
+    path = write_tiny_pair(tmp_path, draft_alphabet=ALPHABET[:-1])
+    monkeypatch.setattr(pair_mod, "load_model", lambda spec: pytest.fail("models loaded before the vocab check"))
+    with pytest.raises(VocabularyMismatch):
+        load_pair(path)
+
+
+def test_every_shipped_pair_config_parses():
+    paths = sorted((ROOT / "configs" / "pairs").glob("*.yaml"))
+    assert len(paths) >= 4
+    for p in paths:
+        cfg = PairConfig.from_yaml(p)
+        assert cfg.draft.path and cfg.target.path and cfg.hash()
+
+
+def test_bad_sampling_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="top_p"):
+        load_pair(write_tiny_pair(tmp_path, top_p=0.0))
+
+
+@pytest.mark.slow
+def test_committed_pycode_pair_metadata():
+    pair = load_pair(ROOT / "configs/pairs/pycode.yaml")
+    assert pair.vocab == 4096
+    d, t = pair.identity("draft"), pair.identity("target")
+    assert (d["num_layers"], d["hidden_size"]) == (2, 128)
+    assert (t["num_layers"], t["hidden_size"]) == (8, 384)
+    for name in ("draft", "target"):
+        info = json.loads((ROOT / "checkpoints/pycode" / name / "training.json").read_text())
+        assert info["train_tokens"] > 1_000_000
+    # the target is the better model on held-out code
+    assert json.loads((ROOT / "checkpoints/pycode/target/training.json").read_text())["dev_loss"] < \
+        json.loads((ROOT / "checkpoints/pycode/draft/training.json").read_text())["dev_loss"]
