@@ -10,8 +10,10 @@ follow data_gen.stdlib's split by file, so no function appears in two splits.
 from __future__ import annotations
 
 import ast
+import json
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 
@@ -74,6 +76,7 @@ class PromptSet:
     split: str = "train"
     limit: int | None = None
     seed: int = 0
+    path: str | None = None  # for name 'jsonl': a file of {"id": ..., "prompt": ...} lines
 
     def load(self) -> datasets.Dataset:
         """A Dataset with columns id, source, prompt."""
@@ -85,8 +88,14 @@ class PromptSet:
             if self.split != "test":
                 raise ValueError("humaneval has only the split 'test' (it is an out-of-distribution test set)")
             ds = datasets.Dataset.from_list(humaneval_records())
+        elif self.name == "jsonl":
+            if not self.path or not Path(self.path).exists():
+                raise FileNotFoundError(f"prompt set 'jsonl' needs path= an existing JSON-lines file, got {self.path!r}")
+            rows = [json.loads(line) for line in Path(self.path).read_text().splitlines() if line.strip()]
+            ds = datasets.Dataset.from_list(
+                [{"id": str(r.get("id", i)), "source": self.path, "prompt": r["prompt"]} for i, r in enumerate(rows)])
         else:
-            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode' or 'humaneval'")
+            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'humaneval' or 'jsonl'")
         if self.limit is not None:
             ds = ds.shuffle(seed=self.seed).select(range(min(self.limit, len(ds))))
         return ds

@@ -154,6 +154,9 @@ def load_model(spec: ModelSpec):
 
 def load_pair(config: PairConfig | str | Path) -> Pair:
     """Check the vocabularies, then load both models frozen in eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     cfg = config if isinstance(config, PairConfig) else PairConfig.from_yaml(config)
     draft_tok, target_tok = load_tokenizers(cfg)
     vocab = check_vocabularies(draft_tok, target_tok)

@@ -1,0 +1,68 @@
+"""Label every draft token of a prompt set for SpecDec++, SPRINTER and FSD.
+
+    python -m data_gen --config configs/data_gen/pycode.yaml
+    python -m data_gen --config configs/data_gen/pycode.yaml --trainer.devices 2 --trainer.strategy ddp
+
+Runs as Lightning Trainer.predict (data_gen.module), writes Arrow shards (data_gen.store),
+resumes where a killed run stopped, and closes with a summary per split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from data_gen.module import Labeller, PromptData, ShardWriter
+from data_gen.store import load_split, shard_dirs
+
+JS_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
+GAMMAS = (1.0, 1.2, 1.5)
+
+
+class LabelCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser):
+        parser.link_arguments("data.pair", "model.pair")
+        parser.link_arguments("data.max_new_tokens", "model.max_new_tokens")
+
+
+def summarize(output: Path, splits: list[str]) -> list[str]:
+    """Closing table: sequences, positions, mean alpha vs expected acceptance, label shares."""
+    head = ("| split | sequences | positions | mean alpha | mean sum min(p,q) | "
+            + " | ".join(f"q/p<={g}" for g in GAMMAS) + " | " + " | ".join(f"JS<={t}" for t in JS_THRESHOLDS) + " |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for split in splits:
+        if not shard_dirs(output, split):
+            continue
+        ds = load_split(output, split).select_columns(["alpha", "expected_accept", "ratio_qp", "js"])
+        col = {k: torch.tensor([v for row in ds[k] for v in row], dtype=torch.float64) for k in ds.column_names}
+        n = len(col["alpha"])
+        cells = [split, str(len(ds)), str(n), f"{col['alpha'].mean():.4f}", f"{col['expected_accept'].mean():.4f}"]
+        cells += [f"{(col['ratio_qp'] <= g).double().mean():.3f}" for g in GAMMAS]
+        cells += [f"{(col['js'] <= t).double().mean():.3f}" for t in JS_THRESHOLDS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(args=None) -> None:
+    cli = LabelCLI(
+        Labeller, PromptData, run=False, args=args, save_config_callback=None,
+        trainer_defaults={"logger": False, "enable_checkpointing": False, "use_distributed_sampler": False,
+                          "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter()]},
+    )
+    cli.trainer.predict(cli.model, datamodule=cli.datamodule, return_predictions=False)
+    cli.trainer.strategy.barrier()
+    if cli.trainer.is_global_zero:
+        data = cli.datamodule
+        c = data.counts
+        print(f"\nlabel set: {data.output_dir}")
+        print(f"prompts {c['prompts']}: {c['empty_skipped']} empty skipped, {c['truncated']} truncated to their "
+              f"last tokens, {c['already_done']} already labelled (resumed)")
+        splits = sorted({i["split"] for i in data.items} | {p.name for p in data.output_dir.iterdir() if p.is_dir()})
+        for line in summarize(data.output_dir, splits):
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

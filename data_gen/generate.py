@@ -1,0 +1,156 @@
+"""Label one batch of prompts: target responses, mixed draft sequences, per-position quantities.
+
+For each prompt x (left-padded batch, KV caches):
+  1. the target samples a response y_1..y_N under the pair's sampling transform;
+  2. the draft walks the response once: at position i it draws a candidate c_i ~ q(. | x, z_<i),
+     then reads z_i = y_i (from_target, probability r of the sequence's prefix kind) or c_i;
+  3. one teacher-forced target pass over (x, z) gives p(. | x, z_<i) at every position.
+So p, q, c_i and every label are conditioned on the same mixed prefix z_<i the head reads, and
+c_i is an exact sample of q at that prefix (the acceptance event decode will face).
+Every random draw uses a per-prompt generator, so a prompt's record does not depend on which
+batch, process or resumed run labelled it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.labels import position_stats
+from decode.pair import Pair
+from decode.sampling import transform
+
+KINDS = ("prompt", "draft", "target", "mixed")  # SPRINTER's four prefix kinds
+
+
+@dataclass
+class Mixing:
+    """Shares of the prefix kinds per sequence, and r (share of target tokens) for 'mixed'.
+
+    prompt: only the first response position is labelled (the bare prompt as condition);
+    draft: z = candidates only (r = 0); target: z = y (r = 1); mixed: z_i = y_i w.p. r.
+    """
+
+    shares: dict[str, float] = field(default_factory=lambda: {"prompt": 0.1, "draft": 0.1, "target": 0.1, "mixed": 0.7})
+    r: float = 0.15
+
+    def __post_init__(self):
+        unknown = set(self.shares) - set(KINDS)
+        if unknown or not self.shares or any(v < 0 for v in self.shares.values()) or sum(self.shares.values()) <= 0:
+            raise ValueError(f"mixing shares {self.shares} must be non-negative weights over {KINDS}")
+        if not 0 <= self.r <= 1:
+            raise ValueError(f"mixing ratio r={self.r} must lie in [0, 1]")
+
+    def ratio(self, kind: str) -> float:
+        return {"prompt": 0.0, "draft": 0.0, "target": 1.0, "mixed": self.r}[kind]
+
+
+def prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
+    """A generator seeded by (run seed, prompt id): the same prompt always draws the same numbers."""
+    digest = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def gumbel_sample(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """(B, V) probabilities, one generator per row -> (B,) exact samples via the Gumbel-max trick."""
+    u = torch.stack([torch.rand(probs.shape[-1], generator=g) for g in gens])
+    gumbel = -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
+    return (probs.clamp_min(0).log() + gumbel).argmax(-1)
+
+
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token lists -> (B, T) ids and (B, T) attention mask, padded on the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) attention mask -> (B, T) position ids that start at 0 on each row's first real token."""
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+@torch.no_grad()
+def sample_responses(pair: Pair, ids, mask, gens, max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) left-padded prompts -> (B, N) responses and (B,) lengths (EOS included, nothing after)."""
+    eos, s = pair.tokenizer.eos_token_id, pair.config.sampling
+    B = ids.shape[0]
+    out = torch.full((B, max_new), eos, dtype=torch.long)
+    lengths = torch.full((B,), max_new, dtype=torch.long)
+    done = torch.zeros(B, dtype=torch.bool)
+    logits = pair.target(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
+    cache = logits.past_key_values
+    for t in range(max_new):
+        probs = transform(pair.logits(logits.logits[:, -1]), s)
+        tok = gumbel_sample(probs, gens)
+        tok = torch.where(done, torch.full_like(tok, eos), tok)
+        out[:, t] = tok
+        newly = (tok == eos) & ~done
+        lengths[newly] = t + 1
+        done |= newly
+        if done.all():
+            return out[:, : t + 1], lengths
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
+        logits = pair.target(tok[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:],
+                             past_key_values=cache, use_cache=True)
+        cache = logits.past_key_values
+    return out, lengths
+
+
+@torch.no_grad()
+def draft_walk(pair: Pair, ids, mask, y, ratios, gens):
+    """Draft pass over the response with candidates and mixing.
+
+    (B, T) prompts, (B, N) responses, (B,) r per row -> dict of (B, N) candidate, z, from_target,
+    (B, N, V) q, and (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token).
+    """
+    s = pair.config.sampling
+    B, N = y.shape
+    out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, output_hidden_states=True)
+    hidden, qs, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], []
+    for t in range(N):
+        q = transform(pair.logits(out.logits[:, -1]), s)
+        c = gumbel_sample(q, gens)
+        from_target = torch.stack([torch.rand((), generator=g) < r for g, r in zip(gens, ratios)])
+        z = torch.where(from_target, y[:, t], c)
+        qs.append(q), cands.append(c), zs.append(z), froms.append(from_target)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
+        out = pair.draft(z[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:],
+                         past_key_values=out.past_key_values, use_cache=True, output_hidden_states=True)
+        hidden.append(out.hidden_states[-1][:, -1])
+    return {
+        "candidate": torch.stack(cands, 1), "z": torch.stack(zs, 1), "from_target": torch.stack(froms, 1),
+        "q": torch.stack(qs, 1), "hidden": torch.stack(hidden, 1),
+    }
+
+
+@torch.no_grad()
+def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: list[str], mixing: Mixing,
+                seed: int, max_new: int) -> tuple[list[dict], list[torch.Tensor]]:
+    """Token-id prompts -> one record per prompt and its (n_i + 1, H) float16 draft hidden states."""
+    gens = [prompt_generator(seed, pid) for pid in ids]
+    x, mask = left_pad(prompts, pair.tokenizer.eos_token_id)
+    y, lengths = sample_responses(pair, x, mask, gens, max_new)
+    walk = draft_walk(pair, x, mask, y, [mixing.ratio(k) for k in kinds], gens)
+    full_mask = torch.cat([mask, torch.ones_like(walk["z"])], dim=1)
+    seq = torch.cat([x, walk["z"]], dim=1)
+    logits = pair.target(seq, attention_mask=full_mask, position_ids=positions(full_mask)).logits
+    T = x.shape[1]
+    p = transform(pair.logits(logits[:, T - 1 : -1]), pair.config.sampling)
+    stats = position_stats(p, walk["q"], walk["candidate"])
+    records, feats = [], []
+    for b in range(len(prompts)):
+        n = 1 if kinds[b] == "prompt" else int(lengths[b])
+        rec = {"id": ids[b], "kind": kinds[b], "prompt_ids": prompts[b], "y": y[b, :n].tolist(),
+               "z": walk["z"][b, :n].tolist(), "candidate": walk["candidate"][b, :n].tolist(),
+               "from_target": walk["from_target"][b, :n].tolist()}
+        rec |= {k: v[b, :n].tolist() for k, v in stats.items()}
+        records.append(rec)
+        feats.append(walk["hidden"][b, : n + 1].to(torch.float16).contiguous())
+    return records, feats

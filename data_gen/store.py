@@ -1,0 +1,129 @@
+"""Label sets on disk: Arrow shards written with `datasets`, one metadata record, feature shards.
+
+    <output>/metadata.json                       pair, hashes, sampling, seed, mixing, code version
+    <output>/<split>/<shard>/                    a Dataset.save_to_disk folder, one row per sequence
+    <output>/<split>/<shard>.features.safetensors  (sum_i (n_i + 1), H) float16 draft hidden states
+
+A shard appears under its final name only when complete (written under a temporary name and
+renamed), so a killed run leaves whole shards or nothing, and a restart skips the prompts found.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import datasets
+
+datasets.disable_progress_bars()
+import torch
+from safetensors.torch import load_file, save_file
+
+# Keys whose values must match for new records to join an existing label set.
+IDENTITY_KEYS = ("pair_hash", "draft", "target", "sampling", "seed", "mixing", "max_new_tokens")
+
+
+class LabelSetMismatch(ValueError):
+    """The output folder holds labels made under other settings."""
+
+
+def code_version() -> str:
+    """Commit of the working tree when it is a git checkout, else 'unknown'."""
+    try:
+        root = Path(__file__).resolve().parents[1]
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def claim_output(output: Path, meta: dict) -> None:
+    """Write metadata.json, or check that an existing one describes the same labelling."""
+    path = output / "metadata.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.get(k)]
+        if diff:
+            details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run has {meta.get(k)!r}" for k in diff)
+            raise LabelSetMismatch(
+                f"{output} holds labels made under other settings ({details}). Use another --data.output "
+                "or delete the folder; records of different settings are never mixed."
+            )
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def shard_dirs(output: Path, split: str) -> list[Path]:
+    """Complete shards of one split, in name order."""
+    d = output / split
+    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")) if d.exists() else []
+
+
+def done_ids(output: Path) -> set[str]:
+    """Prompt ids already labelled in any split (read from the shards' small id files)."""
+    ids: set[str] = set()
+    for split_dir in output.iterdir() if output.exists() else []:
+        if split_dir.is_dir():
+            for shard in shard_dirs(output, split_dir.name):
+                ids.update(json.loads((shard / "ids.json").read_text()))
+    return ids
+
+
+def write_shard(output: Path, split: str, records: list[dict], feats: list[torch.Tensor] | None, rank: int) -> Path:
+    """Write one shard atomically; returns its final folder."""
+    name = f"r{rank}-{uuid.uuid4().hex[:10]}"
+    tmp = output / split / f".{name}.tmp"
+    ds = datasets.Dataset.from_list(records)
+    ds.save_to_disk(str(tmp))
+    (tmp / "ids.json").write_text(json.dumps([r["id"] for r in records]))
+    if feats is not None:
+        save_file({"hidden": torch.cat(feats), "rows": torch.tensor([f.shape[0] for f in feats])},
+                  str(tmp / "features.safetensors"))
+    final = output / split / name
+    tmp.rename(final)  # the shard exists under its real name only once complete
+    return final
+
+
+def clean_partial(output: Path) -> int:
+    """Remove temporary shards left by a killed run; returns how many."""
+    n = 0
+    for tmp in output.glob("*/.*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+        n += 1
+    return n
+
+
+def load_split(output: str | Path, split: str) -> datasets.Dataset:
+    """All sequences of one split as one Dataset (rows sorted by prompt id, so order is stable)."""
+    output = Path(output)
+    shards = shard_dirs(output, split)
+    if not shards:
+        raise FileNotFoundError(f"no label shards under {output / split}; run `python -m data_gen` first")
+    ds = datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
+    return ds.sort("id")
+
+
+def load_features(output: str | Path, split: str) -> dict[str, torch.Tensor]:
+    """Prompt id -> (n + 1, H) float16 hidden states, for label sets written with features."""
+    out = {}
+    for shard in shard_dirs(Path(output), split):
+        f = shard / "features.safetensors"
+        if not f.exists():
+            raise FileNotFoundError(f"{shard} has no cached features; relabel with --model.cache_features true")
+        t = load_file(str(f))
+        ids = json.loads((shard / "ids.json").read_text())
+        out.update(zip(ids, torch.split(t["hidden"], t["rows"].tolist())))
+    return out
+
+
+def metadata(output: str | Path) -> dict:
+    path = Path(output) / "metadata.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing: {output} is not a label set written by data_gen")
+    return json.loads(path.read_text())

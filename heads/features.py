@@ -1,0 +1,47 @@
+"""What a head reads: the draft's hidden state at a chosen position, plus optional scalar extras.
+
+position "own": the state after the draft read candidate c_i. Decoding must run the draft on
+  c_i before it can decide to stop after c_i (that pass is the one that drafts c_{i+1}, so
+  with adaptive stopping it is spent even when drafting stops: one extra draft step per round).
+position "prev": the state that produced q_i (before c_i is read). The decision on c_i is free
+  at the moment c_i is sampled; the head cannot see which token was drawn unless the extra
+  `cand_logq` is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+EXTRAS = ("draft_entropy", "draft_top1", "cand_logq")
+
+
+@dataclass
+class FeatureSpec:
+    """Which hidden state (position) and which scalar extras, concatenated in EXTRAS order."""
+
+    position: str = "own"
+    extras: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.position not in ("own", "prev"):
+            raise ValueError(f"feature position must be 'own' or 'prev', got {self.position!r}")
+        bad = [e for e in self.extras if e not in EXTRAS]
+        if bad:
+            raise ValueError(f"unknown extra features {bad}; choose from {EXTRAS}")
+        self.extras = [e for e in EXTRAS if e in self.extras]  # canonical order
+
+    def dim(self, hidden_size: int) -> int:
+        return hidden_size + len(self.extras)
+
+    def build(self, hidden: torch.Tensor, draft_entropy: torch.Tensor, draft_top1: torch.Tensor,
+              q_cand: torch.Tensor) -> torch.Tensor:
+        """(..., H) hidden and (...) scalars -> (..., H + len(extras)) float32 features."""
+        scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
+                   "cand_logq": q_cand.clamp_min(1e-20).log()}
+        cols = [hidden.float()] + [scalars[e].float().unsqueeze(-1) for e in self.extras]
+        return torch.cat(cols, dim=-1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,74 @@
+"""Acceptance heads and verifiers: plain torch modules that read draft features and give one logit.
+
+Features are the draft's last-layer hidden state, optionally followed by scalar extras
+(decode.features.EXTRAS). Every head maps (..., in_dim) features -> (..., ) logits; the
+probability that a draft token is accepted is sigmoid(logit).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    """Base of every head: remembers its constructor arguments so it can be saved and rebuilt."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.init_args = dict(kwargs)
+
+    def prob(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in_dim) -> (...) acceptance probability."""
+        return torch.sigmoid(self(x))
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(Linear(x)), as in SpecDec++'s ResNet head."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class AcceptanceHead(Head):
+    """SpecDec++ head: depth-1 residual blocks, each with its own weights, then Linear(in_dim, 1).
+
+    depth = 1 is a linear layer. Features are standardised by stored statistics (set from the
+    training data by `set_normalizer`) so the head trains with one learning rate on any draft.
+    """
+
+    def __init__(self, in_dim: int, depth: int = 3):
+        super().__init__(in_dim=in_dim, depth=depth)
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.register_buffer("mean", torch.zeros(in_dim))
+        self.register_buffer("std", torch.ones(in_dim))
+        # A ModuleList of distinct blocks: never [block] * n, which would share one block's weights.
+        self.blocks = nn.ModuleList(ResidualBlock(in_dim) for _ in range(depth - 1))
+        self.out = nn.Linear(in_dim, 1)
+
+    def set_normalizer(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        self.mean.copy_(mean)
+        self.std.copy_(std.clamp_min(1e-4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in_dim) -> (...) logits."""
+        x = (x.float() - self.mean) / self.std
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).squeeze(-1)
+
+
+class LinearVerifier(AcceptanceHead):
+    """SPRINTER's verifier: one linear layer and a sigmoid (an AcceptanceHead of depth 1)."""
+
+    def __init__(self, in_dim: int):
+        super().__init__(in_dim=in_dim, depth=1)
+        self.init_args = {"in_dim": in_dim}
+
+
+HEAD_TYPES: dict[str, type[Head]] = {cls.__name__: cls for cls in (AcceptanceHead, LinearVerifier)}

@@ -1,0 +1,121 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from data_gen.generate import Mixing, label_batch
+from data_gen.store import LabelSetMismatch, done_ids, load_features, load_split
+from decode.labels import accept_prob
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts(n):
+    return [[1 + (i * 7 + j) % 20 for j in range(3 + i % 5)] for i in range(n)]
+
+
+def test_records_are_consistent_and_kinds_behave(tiny_pair):
+    kinds = ["prompt", "draft", "target", "mixed"] * 2
+    ids = [f"p{i}" for i in range(8)]
+    recs, feats = label_batch(tiny_pair, prompts(8), ids, kinds, Mixing(r=0.5), seed=0, max_new=10)
+    for rec, f, kind in zip(recs, feats, kinds):
+        n = len(rec["z"])
+        assert f.shape == (n + 1, tiny_pair.draft.config.hidden_size)
+        a = accept_prob(torch.tensor(rec["p_cand"]), torch.tensor(rec["q_cand"]))
+        assert torch.allclose(a, torch.tensor(rec["alpha"]))
+        if kind == "prompt":
+            assert n == 1
+        if kind == "target":
+            assert all(rec["from_target"]) and rec["z"] == rec["y"]
+        if kind == "draft":
+            assert not any(rec["from_target"]) and rec["z"] == rec["candidate"]
+        for zi, yi, ci, ft in zip(rec["z"], rec["y"], rec["candidate"], rec["from_target"]):
+            assert zi == (yi if ft else ci)
+
+
+def test_record_does_not_depend_on_batch_composition(tiny_pair):
+    ps, ids = prompts(6), [f"p{i}" for i in range(6)]
+    alone, _ = label_batch(tiny_pair, ps[3:4], ids[3:4], ["mixed"], Mixing(), seed=1, max_new=8)
+    batched, _ = label_batch(tiny_pair, ps, ids, ["mixed"] * 6, Mixing(), seed=1, max_new=8)
+    assert alone[0]["z"] == batched[3]["z"] and alone[0]["y"] == batched[3]["y"]
+    assert torch.allclose(torch.tensor(alone[0]["alpha"]), torch.tensor(batched[3]["alpha"]), atol=1e-4)
+
+
+def test_mean_alpha_estimates_expected_acceptance(tiny_pair):
+    n = 64
+    recs, _ = label_batch(tiny_pair, prompts(n), [f"s{i}" for i in range(n)], ["mixed"] * n, Mixing(), 0, 24)
+    alpha = torch.tensor([a for r in recs for a in r["alpha"]])
+    expect = torch.tensor([a for r in recs for a in r["expected_accept"]])
+    # alpha is an unbiased sample of sum min(p, q); its standard error here is < 0.02
+    assert abs(alpha.mean() - expect.mean()) < 4 * alpha.std() / len(alpha) ** 0.5
+
+
+def write_config(tmp_path, pair_yaml, n_prompts, **data):
+    rows = [{"id": i, "prompt": "abc(" * (1 + i % 4)} for i in range(n_prompts)]
+    rows += [{"id": "empty", "prompt": "   "}, {"id": "long", "prompt": "a=1\n" * 200}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = {"data": {"pair": str(pair_yaml), "output": str(tmp_path / "labels"), "batch_size": 2,
+                    "max_new_tokens": 8, "prompts": [{"name": "jsonl", "split": "train",
+                                                     "path": str(tmp_path / "prompts.jsonl")}]},
+           "model": {"threads": 1}}
+    cfg["data"].update(data)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_cli(cfg, *extra, wait=True):
+    cmd = [sys.executable, "-m", "data_gen", "--config", str(cfg), *extra]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_cli_counts_bad_prompts_and_refuses_other_settings(tmp_path, tiny_pair_yaml):
+    cfg = write_config(tmp_path, tiny_pair_yaml, 6)
+    res = run_cli(cfg)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 empty skipped, 1 truncated" in res.stdout
+    assert len(load_split(tmp_path / "labels", "jsonl_train")) == 7
+    assert len(load_features(tmp_path / "labels", "jsonl_train")) == 7
+    res = run_cli(cfg, "--model.seed", "5")
+    assert res.returncode != 0 and LabelSetMismatch.__name__ in res.stderr and "seed" in res.stderr
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_label_every_prompt_once(tmp_path, tiny_pair_yaml):
+    cfg = write_config(tmp_path, tiny_pair_yaml, 9)
+    res = run_cli(cfg, "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ids = load_split(tmp_path / "labels", "jsonl_train")["id"]
+    assert len(ids) == len(set(ids)) == 10  # 9 + the truncated one; the empty one is skipped
+    shards = list((tmp_path / "labels" / "jsonl_train").iterdir())
+    assert {s.name[:2] for s in shards} == {"r0", "r1"}  # both ranks wrote
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, tiny_pair_yaml):
+    cfg = write_config(tmp_path, tiny_pair_yaml, 60, batch_size=1, max_new_tokens=24)
+    proc = run_cli(cfg, wait=False)
+    out = tmp_path / "labels"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(done_ids(out)) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = len(done_ids(out))
+    assert 3 <= first < 61, "the run must be killed part-way"
+    res = run_cli(cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"{first} already labelled" in res.stdout or first >= 3
+    ids = load_split(out, "jsonl_train")["id"]
+    assert len(ids) == len(set(ids)) == 61

@@ -1,0 +1,137 @@
+"""Label sets -> (features, target, event) tensors for head training.
+
+If the label set named by `labels` is missing, `prepare_data` builds it first with data_gen
+(the command is logged), so `python -m train fit --config heads/specdecpp.yaml` works from a
+fresh clone. Features come from the cached draft hidden states, or live from the frozen draft
+(`feature_source: live`) when a label set was written without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from data_gen.store import load_features, load_split, metadata
+from heads.features import FeatureSpec
+from train.labels import LabelFamily, SoftAcceptance
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger(__name__)
+COLUMNS = ("alpha", "ratio_qp", "kl", "kl_qp", "js", "tv", "draft_entropy", "draft_top1", "q_cand", "p_cand")
+
+
+def resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
+
+
+@torch.no_grad()
+def live_features(pair_yaml: str, rows) -> dict[str, torch.Tensor]:
+    """Prompt id -> (n + 1, H) draft last-layer states recomputed over prompt + z."""
+    from decode.pair import load_pair
+
+    pair, out = load_pair(pair_yaml), {}
+    for r in rows:
+        seq = torch.tensor([r["prompt_ids"] + r["z"]])
+        h = pair.draft(seq, output_hidden_states=True).hidden_states[-1][0]
+        out[r["id"]] = h[len(r["prompt_ids"]) - 1 :].to(torch.float16)
+    return out
+
+
+def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sequences -> (N, dim) features and (N,) columns, one row per usable position.
+
+    "own" features exist only where the draft read its own candidate (z_i = c_i), the positions
+    the loss is defined on; "prev" features exist at every position.
+    """
+    xs, cols = [], {c: [] for c in COLUMNS}
+    for r in ds:
+        h = feats[r["id"]].float()
+        keep = torch.tensor([not ft for ft in r["from_target"]]) if spec.position == "own" else \
+            torch.ones(len(r["z"]), dtype=torch.bool)
+        hid = h[1:] if spec.position == "own" else h[:-1]
+        c = {k: torch.tensor(r[k], dtype=torch.float32)[keep] for k in COLUMNS}
+        xs.append(spec.build(hid[keep], c["draft_entropy"], c["draft_top1"], c["q_cand"]))
+        for k in COLUMNS:
+            cols[k].append(c[k])
+    return torch.cat(xs), {k: torch.cat(v) for k, v in cols.items()}
+
+
+class LabelData(L.LightningDataModule):
+    """A data_gen label set, a label family and a feature spec -> train/val loaders of (x, target, event)."""
+
+    def __init__(self, labels: str = "data/pycode", build_config: str = "configs/data_gen/pycode.yaml",
+                 label: LabelFamily | None = None, features: FeatureSpec | None = None, train_split: str = "train",
+                 val_split: str = "dev", batch_size: int = 512, feature_source: str = "cache", seed: int = 0):
+        super().__init__()
+        self.labels, self.build_config = labels, build_config
+        self.label, self.features = label or SoftAcceptance(), features or FeatureSpec()
+        self.train_split, self.val_split, self.batch_size = train_split, val_split, batch_size
+        self.feature_source, self.seed = feature_source, seed
+        self.tensors: dict[str, TensorDataset] = {}
+        self.columns: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def feature_dim(self) -> int:
+        """Input size of the head: the draft's hidden size (from the pair) plus the extras."""
+        import yaml
+
+        from decode.pair import PairConfig
+
+        pair = PairConfig.from_yaml(yaml.safe_load(resolve(self.build_config).read_text())["data"]["pair"])
+        import json
+
+        hidden = json.loads((Path(pair.draft.resolved()) / "config.json").read_text())
+        size = hidden.get("hidden_size", hidden.get("n_embd"))
+        return self.features.dim(size)
+
+    def prepare_data(self) -> None:
+        out = resolve(self.labels)
+        if (out / "metadata.json").exists() and (out / self.val_split).exists():
+            return
+        cmd = [sys.executable, "-m", "data_gen", "--config", str(resolve(self.build_config)), "--data.output", str(out)]
+        log.warning("label set %s is missing: building it with `%s`", out, " ".join(cmd))
+        print(f"label set {out} missing; building it: {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+
+    def split_tensors(self, split: str) -> tuple[TensorDataset, dict[str, torch.Tensor]]:
+        out = resolve(self.labels)
+        ds = load_split(out, split)
+        if self.feature_source == "cache":
+            feats = load_features(out, split)
+        else:
+            pair_yaml = yaml_pair(self.build_config)
+            feats = live_features(pair_yaml, ds)
+        x, cols = flatten(ds, feats, self.features)
+        target, event = self.label.target(cols), self.label.event(cols, self.seed)
+        return TensorDataset(x, target, event), cols
+
+    def setup(self, stage: str) -> None:
+        for split in {self.train_split, self.val_split}:
+            if split not in self.tensors:
+                self.tensors[split], self.columns[split] = self.split_tensors(split)
+
+    def meta(self) -> dict:
+        """What the exported head records about its data."""
+        m = metadata(resolve(self.labels))
+        return {"labels": self.labels, "label": self.label.meta(), "features": self.features.to_dict(),
+                "draft": m["draft"], "target": m["target"], "sampling": m["sampling"], "pair": m["pair"]}
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.tensors[self.train_split], batch_size=self.batch_size, shuffle=True, generator=g)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.tensors[self.val_split], batch_size=4096)
+
+
+def yaml_pair(build_config: str) -> str:
+    import yaml
+
+    return yaml.safe_load(resolve(build_config).read_text())["data"]["pair"]

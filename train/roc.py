@@ -1,0 +1,105 @@
+"""ROC/AUC of exported heads on a label set, against the draft-confidence baseline.
+
+    python -m train roc --heads checkpoints/sprinter-g1.0 checkpoints/sprinter-g1.2 --split dev
+
+Each head is scored on its own label family's event (recorded in its config.json); the
+training-free baseline is the draft's probability of its own token (the rule behind Hugging
+Face's assistant_confidence_threshold), scored on the first head's event. Writes one PNG with
+all curves and prints AUC and TPR/FPR at the chosen thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+from sklearn.metrics import roc_auc_score, roc_curve
+
+import train.labels as labels_mod
+from data_gen.store import load_features, load_split
+from heads import FeatureSpec, from_pretrained
+from train.data import flatten, resolve
+
+
+def family_from_meta(meta: dict) -> labels_mod.LabelFamily:
+    """Rebuild the label family recorded in a head's config."""
+    args = {k: v for k, v in meta.items() if k != "family"}
+    return getattr(labels_mod, meta["family"])(**args)
+
+
+def youden_threshold(prob: np.ndarray, event: np.ndarray) -> float:
+    """Probability threshold that maximises TPR - FPR."""
+    fpr, tpr, thr = roc_curve(event, prob)
+    return float(np.clip(thr[int(np.argmax(tpr - fpr))], 0.0, 1.0))
+
+
+def rates_at(prob: np.ndarray, event: np.ndarray, threshold: float) -> tuple[float, float]:
+    """(TPR, FPR) of the rule `accept when prob >= threshold`."""
+    pred = prob >= threshold
+    pos, neg = event == 1, event == 0
+    return float(pred[pos].mean()) if pos.any() else float("nan"), float(pred[neg].mean()) if neg.any() else float("nan")
+
+
+def plot_rocs(curves: list[tuple[str, np.ndarray, np.ndarray]], path: Path, title: str) -> Path:
+    """curves of (label, prob, event) -> one PNG of ROC curves with AUCs in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for name, prob, event in curves:
+        fpr, tpr, _ = roc_curve(event, prob)
+        ax.plot(fpr, tpr, label=f"{name} (AUC {roc_auc_score(event, prob):.3f})",
+                linestyle="--" if name.startswith("draft confidence") else "-")
+    ax.plot([0, 1], [0, 1], color="grey", linewidth=0.5)
+    ax.set(xlabel="false positive rate (rejected tokens accepted)", ylabel="true positive rate", title=title)
+    ax.legend(fontsize=7, loc="lower right")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+@torch.no_grad()
+def score_head(head_dir: str, labels: str, split: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+    """(name, head prob, event, draft confidence) over the positions the head was trained for."""
+    head, cfg = from_pretrained(head_dir)
+    spec = FeatureSpec(**cfg["features"])
+    ds = load_split(resolve(labels), split)
+    x, cols = flatten(ds, load_features(resolve(labels), split), spec)
+    event = family_from_meta(cfg["label"]).event(cols, seed=0).numpy()
+    return Path(head_dir).name, head.prob(x).numpy(), event, cols["q_cand"].numpy()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m train roc", description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", nargs="+", required=True, help="exported head folders")
+    ap.add_argument("--labels", default="data/pycode")
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--out", default="runs/roc.png")
+    ap.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 0.5, 0.7])
+    args = ap.parse_args(argv)
+    curves, rows = [], []
+    for h in args.heads:
+        name, prob, event, conf = score_head(h, args.labels, args.split)
+        curves.append((name, prob, event))
+        rows.append((name, prob, event))
+        rows.append((f"draft confidence vs {name} labels", conf, event))
+    name0, _, event0, conf0 = score_head(args.heads[0], args.labels, args.split)
+    curves.append((f"draft confidence q(x) ({name0} labels)", conf0, event0))
+    out = plot_rocs(curves, resolve(args.out), f"ROC on {args.labels}:{args.split}")
+    head = "| scorer | positions | positive rate | AUC | " + " | ".join(f"TPR/FPR @{t}" for t in args.thresholds) + " |"
+    print(head + "\n|" + "---|" * (head.count("|") - 1))
+    for name, prob, event in rows:
+        cells = [name, str(len(event)), f"{event.mean():.3f}", f"{roc_auc_score(event, prob):.4f}"]
+        cells += ["{:.3f}/{:.3f}".format(*rates_at(prob, event, t)) for t in args.thresholds]
+        print("| " + " | ".join(cells) + " |")
+    print(f"ROC figure: {out}")
+
+
+if __name__ == "__main__":
+    main()
