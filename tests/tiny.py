@@ -50,3 +50,23 @@ def write_tiny_pair(root: Path, seed: int = 0, draft_alphabet: list[str] = ALPHA
     path = root / "pair.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int = 24, max_new: int = 16) -> Path:
+    """A label set of the tiny pair (splits train and dev) and the data_gen config that names it."""
+    from data_gen.generate import Mixing, label_batch
+    from data_gen.store import claim_output, write_shard
+    from decode.pair import load_pair
+
+    pair, out = load_pair(pair_yaml), root / "labels"
+    claim_output(out, {"pair": "tiny", "pair_hash": pair.config.hash(), "draft": pair.identity("draft"),
+                       "target": pair.identity("target"), "sampling": vars(pair.config.sampling), "seed": 0,
+                       "mixing": {"r": 0.15}, "max_new_tokens": max_new})
+    for split, n in (("train", n_train), ("dev", n_dev)):
+        prompts = [[1 + (i * 5 + j) % 22 for j in range(2 + i % 6)] for i in range(n)]
+        kinds = ["mixed", "draft", "target", "prompt"] * (n // 4)
+        recs, feats = label_batch(pair, prompts, [f"{split}{i}" for i in range(n)], kinds, Mixing(), 0, max_new)
+        write_shard(out, split, recs, feats, rank=0)
+    cfg = root / "data_gen.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"pair": str(pair_yaml), "output": str(out), "max_new_tokens": max_new}}))
+    return cfg

@@ -22,7 +22,7 @@ from train.module import HeadModule
 class HeadCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.link_arguments("data.feature_dim", "model.feature_dim", apply_on="instantiate")
-        parser.link_arguments("data.label", "model.label", apply_on="instantiate")
+        parser.link_arguments("data.label_family", "model.label", apply_on="instantiate")
 
 
 def cli(args=None, run: bool = True) -> HeadCLI:

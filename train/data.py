@@ -91,6 +91,11 @@ class LabelData(L.LightningDataModule):
         size = hidden.get("hidden_size", hidden.get("n_embd"))
         return self.features.dim(size)
 
+    @property
+    def label_family(self) -> LabelFamily:
+        """The label family object, linked to the model (which needs its loss weights)."""
+        return self.label
+
     def prepare_data(self) -> None:
         out = resolve(self.labels)
         if (out / "metadata.json").exists() and (out / self.val_split).exists():

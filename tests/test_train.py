@@ -1,0 +1,117 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from heads import AcceptanceHead, FeatureSpec, HeadMismatch, LinearVerifier, check_draft, from_pretrained, save_pretrained
+from train.labels import SoftAcceptance, binary_kl, weighted_bce
+from train.sweep import config_with, set_export_name
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "heads").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def tiny_labels(tiny_pair_yaml, tmp_path_factory):
+    from tests.tiny import write_tiny_labels
+
+    return write_tiny_labels(tmp_path_factory.mktemp("labels"), tiny_pair_yaml)
+
+
+def test_depth3_head_has_three_independent_blocks():
+    head = AcceptanceHead(in_dim=8, depth=3)
+    assert len(head.blocks) == 2 and head.out is not None  # two residual blocks + output layer
+    a, b = head.blocks
+    assert a.linear.weight.data_ptr() != b.linear.weight.data_ptr()
+    with torch.no_grad():
+        a.linear.weight.fill_(1.0)
+    assert not torch.equal(a.linear.weight, b.linear.weight)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in head.modules())
+    assert n_linear == 3
+    assert sum(isinstance(m, torch.nn.Linear) for m in AcceptanceHead(8, depth=1).modules()) == 1
+
+
+def test_weighted_bce_matches_formula():
+    logits, a = torch.tensor([0.3, -1.2, 2.0]), torch.tensor([1.0, 0.2, 0.7])
+    s = torch.sigmoid(logits)
+    expect = -(1 * a * s.log() + 6 * (1 - a) * (1 - s).log()).sum() / (1 * a + 6 * (1 - a)).sum()
+    assert torch.allclose(weighted_bce(logits, a, 1.0, 6.0), expect)
+    assert torch.allclose(binary_kl(a, a), torch.zeros(3, dtype=torch.float64), atol=1e-6)
+
+
+def test_head_learns_separable_data():
+    from sklearn.metrics import roc_auc_score
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 16, generator=g)
+    y = (x[:, :3].sum(-1) + 0.3 * torch.randn(4000, generator=g) > 0).float()
+    head = AcceptanceHead(16, depth=3)
+    head.set_normalizer(x.mean(0), x.std(0))
+    opt = torch.optim.Adam(head.parameters(), 1e-2)
+    for _ in range(200):
+        loss = weighted_bce(head(x[:3000]), y[:3000], 1.0, 1.0)
+        opt.zero_grad(), loss.backward(), opt.step()
+    with torch.no_grad():
+        assert roc_auc_score(y[3000:].numpy(), head.prob(x[3000:]).numpy()) > 0.95
+
+
+def test_export_load_round_trip_and_draft_check(tmp_path):
+    head = AcceptanceHead(10, depth=3)
+    meta = {"draft": {"path": "a", "config_hash": "h1", "hidden_size": 8, "vocab_size": 24, "num_layers": 1},
+            "features": FeatureSpec("prev", ["draft_top1", "draft_entropy"]).to_dict()}
+    save_pretrained(head, tmp_path / "h", meta)
+    loaded, cfg = from_pretrained(tmp_path / "h")
+    assert type(loaded) is AcceptanceHead and cfg["features"]["extras"] == ["draft_entropy", "draft_top1"]
+    for (k, v), (k2, v2) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    check_draft(cfg, meta["draft"])
+    with pytest.raises(HeadMismatch, match="hidden_size: head was trained for 8, this draft has 16"):
+        check_draft(cfg, meta["draft"] | {"hidden_size": 16, "path": "b"})
+    (tmp_path / "h" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="corrupt"):
+        from_pretrained(tmp_path / "h")
+    save_pretrained(LinearVerifier(4), tmp_path / "v", {})
+    assert type(from_pretrained(tmp_path / "v")[0]) is LinearVerifier
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_parses_through_the_cli(recipe):
+    from train.__main__ import HeadCLI
+    from train.data import LabelData
+    from train.module import HeadModule
+
+    # the real parser and instantiation (no I/O happens in any constructor), without running fit
+    cli = HeadCLI(HeadModule, LabelData, run=False, args=["--config", str(recipe)])
+    cfg = cli.config
+    assert cli.model.head.init_args["in_dim"] == cli.datamodule.feature_dim
+    assert cfg.model.head.class_path.startswith("heads.")
+    assert cfg.data.label.class_path.startswith("train.labels.")
+    assert cfg.trainer.max_epochs >= 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tmp_path):
+    from train.__main__ import cli
+
+    def edit(cfg):
+        cfg["data"]["labels"] = str(yaml.safe_load(tiny_labels.read_text())["data"]["output"])
+        cfg["data"]["build_config"] = str(tiny_labels)
+        cfg["trainer"]["logger"] = False
+        cfg["trainer"]["default_root_dir"] = str(tmp_path)
+        set_export_name(cfg, "exported")
+        for cb in cfg["trainer"]["callbacks"]:
+            if cb["class_path"].endswith("ExportHead"):
+                cb["init_args"]["directory"] = str(tmp_path)
+
+    run = cli(["fit", "--config", str(config_with(recipe, edit)), "--trainer.max_epochs", "2"])
+    out = tmp_path / "exported"
+    head, cfg = from_pretrained(out)
+    assert (out / "roc.png").stat().st_size > 1000
+    assert 0.0 <= cfg["metrics"]["auroc"] <= 1.0 and cfg["draft"]["hidden_size"] == 32
+    assert cfg["label"]["family"] == type(run.datamodule.label).__name__
+    assert isinstance(run.model.label, type(run.datamodule.label))  # linked from data to model
+    x = run.datamodule.tensors["dev"].tensors[0]
+    assert torch.allclose(head.prob(x), run.model.head.eval().prob(x))
+    assert json.loads((out / "config.json").read_text())["features"]["position"] in ("own", "prev")
