@@ -1,0 +1,187 @@
+"""Speculative decoding engine: a drafting policy and a verification rule over a draft/target pair.
+
+Both models keep a DynamicCache that covers every committed token but the last ("pending")
+one; after each round the caches are cropped back to the accepted text, never recomputed.
+Batch size 1; the caches and tensors are (1, ...) so batching can come later.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.pair import Pair
+from decode.policies import DraftStep, HeadPolicy, Policy
+from decode.rules import Rule
+from decode.sampling import sample, transform
+
+
+@dataclass
+class Stats:
+    """Counters of one or more generations (DESIGN.md's metrics)."""
+
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    discarded: int = 0
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)
+    t_draft: float = 0.0
+    t_target: float = 0.0
+    t_head: float = 0.0
+    wall: float = 0.0
+
+    def add(self, other: Stats) -> None:
+        for k, v in vars(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def summary(self) -> dict:
+        n = max(1, self.new_tokens)
+        return {"new_tokens": self.new_tokens, "tokens_per_s": self.new_tokens / max(self.wall, 1e-9),
+                "discard_rate": self.discarded / n, "verification_rate": self.target_calls / n,
+                "mean_accepted": sum(self.accepted) / max(1, len(self.accepted)),
+                "target_calls": self.target_calls, "draft_calls": self.draft_calls, "wall_s": self.wall,
+                "t_draft_s": self.t_draft, "t_target_s": self.t_target, "t_head_s": self.t_head}
+
+
+class Runner:
+    """One model with its KV cache; feed() appends tokens, crop() rolls the cache back."""
+
+    def __init__(self, model, pair: Pair):
+        self.model, self.pair, self.cache, self.length = model, pair, None, 0
+
+    @torch.no_grad()
+    def feed(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """k new tokens -> (k, V) logits and (k, H) last-layer hidden states."""
+        x = torch.tensor([tokens])
+        out = self.model(x, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        self.cache, self.length = out.past_key_values, self.length + len(tokens)
+        return self.pair.logits(out.logits[0]), out.hidden_states[-1][0]
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: number of positions to drop
+            self.length = length
+
+
+def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int) -> None:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token of text to continue")
+    limit = pair.config.max_context
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                         f"context of {limit} tokens of pair {pair.config.name}: shorten the prompt or lower max_new_tokens")
+
+
+class SpeculativeDecoder:
+    """generate(prompt_ids) with a policy and a rule; stats accumulate in self.stats."""
+
+    def __init__(self, pair: Pair, policy: Policy, rule: Rule, seed: int = 0):
+        self.pair, self.policy, self.rule = pair, policy, rule
+        self.gen = torch.Generator().manual_seed(seed)
+        if isinstance(policy, HeadPolicy):
+            policy.bind(pair.identity("draft"))
+
+    def _timed(self, which: str, stats: Stats, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        setattr(stats, which, getattr(stats, which) + time.perf_counter() - t0)
+        return out
+
+    def _draft_round(self, draft: Runner, pending: int, stats: Stats, peek_prefix: list[int]):
+        """Draft candidates until the policy stops -> tokens, (k, V) q."""
+        s, policy = self.pair.config.sampling, self.policy
+        policy.reset()
+        logits, hidden = self._timed("t_draft", stats, draft.feed, [pending])
+        stats.draft_calls += 1
+        tokens, qs = [], []
+        if policy.needs_target_peek:
+            policy.peek = lambda i: self._peek(peek_prefix + tokens[:i]) == tokens[i]
+        while True:
+            q = transform(logits[-1], s)
+            tok = int(sample(q, self.gen))
+            tokens.append(tok), qs.append(q)
+            prev = hidden[-1]
+            # Reading the candidate now drafts the next one and gives the "own" hidden state.
+            logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
+            stats.draft_calls += 1
+            step = DraftStep(len(tokens) - 1, tok, q, prev, hidden[-1])
+            t0 = time.perf_counter()
+            stop = policy.stop(step) or len(tokens) >= policy.max_len
+            stats.t_head += time.perf_counter() - t0
+            if stop:
+                return tokens, torch.stack(qs)
+
+    @torch.no_grad()
+    def _peek(self, prefix: list[int]) -> int:
+        """Target argmax after prefix, off the books (for the oracle only)."""
+        return int(self.pair.logits(self.pair.target(torch.tensor([prefix])).logits[0, -1]).argmax())
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64) -> tuple[list[int], Stats]:
+        """Prompt token ids -> new token ids (stops at EOS or max_new_tokens) and this call's stats."""
+        check_prompt(self.pair, prompt_ids, max_new_tokens)
+        stats, eos, s = Stats(), self.pair.tokenizer.eos_token_id, self.pair.config.sampling
+        draft, target = Runner(self.pair.draft, self.pair), Runner(self.pair.target, self.pair)
+        t_start = time.perf_counter()
+        if len(prompt_ids) > 1:
+            self._timed("t_draft", stats, draft.feed, prompt_ids[:-1])
+            self._timed("t_target", stats, target.feed, prompt_ids[:-1])
+        committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
+        while len(out) < max_new_tokens:
+            tokens, q = self._draft_round(draft, pending, stats, committed + [pending])
+            logits, _ = self._timed("t_target", stats, target.feed, [pending] + tokens)
+            stats.target_calls += 1
+            p = transform(logits, s)
+            n_acc, nxt = self.rule.verify(torch.tensor(tokens), q, p, self.gen)
+            stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + len(tokens)
+            stats.discarded += len(tokens) - n_acc
+            stats.accepted.append(n_acc)
+            committed += [pending] + tokens[:n_acc]
+            draft.crop(len(committed))
+            target.crop(len(committed))
+            new = tokens[:n_acc] + [nxt]
+            if eos in new:
+                new = new[: new.index(eos) + 1]
+            out += new
+            pending = nxt
+            if eos in new:
+                break
+        out = out[:max_new_tokens]
+        stats.new_tokens = len(out)
+        stats.wall = time.perf_counter() - t_start
+        self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
+        return out, stats
+
+
+class Autoregressive:
+    """One model alone (target-only or draft-only baseline) with the same sampling and stats."""
+
+    def __init__(self, pair: Pair, which: str = "target", seed: int = 0):
+        self.pair, self.which = pair, which
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64) -> tuple[list[int], Stats]:
+        check_prompt(self.pair, prompt_ids, max_new_tokens)
+        stats, eos = Stats(), self.pair.tokenizer.eos_token_id
+        runner = Runner(getattr(self.pair, self.which), self.pair)
+        slot = "t_target" if self.which == "target" else "t_draft"
+        t0 = time.perf_counter()
+        logits, _ = runner.feed(prompt_ids)
+        out = []
+        while len(out) < max_new_tokens:
+            tok = int(sample(transform(logits[-1], self.pair.config.sampling), self.gen))
+            out.append(tok)
+            if tok == eos or len(out) == max_new_tokens:
+                break
+            t1 = time.perf_counter()
+            logits, _ = runner.feed([tok])
+            setattr(stats, slot, getattr(stats, slot) + time.perf_counter() - t1)
+        if self.which == "target":
+            stats.target_calls = len(out)
+        else:
+            stats.draft_calls = len(out)
+        stats.new_tokens, stats.wall = len(out), time.perf_counter() - t0
+        return out, stats

@@ -1,0 +1,144 @@
+"""Drafting policies: how long to draft before the target verifies.
+
+A policy is two methods, in the spirit of transformers' CandidateGenerator:
+    reset()            a new drafting round begins
+    stop(step) -> bool after candidate i was drafted: end the round now?
+`step` is a DraftStep holding the candidate's index, its token, q (V,) and the draft's
+hidden states (H,) before and after reading it. Every policy is also capped by max_len.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from decode import labels as L
+from heads import FeatureSpec, check_draft, from_pretrained
+
+
+@dataclass
+class DraftStep:
+    index: int  # 0-based position of the candidate in this round
+    token: int
+    q: torch.Tensor  # (V,) the draft's distribution the token was drawn from
+    hidden_prev: torch.Tensor  # (H,) state that produced q
+    hidden_own: torch.Tensor  # (H,) state after reading the token
+
+
+class Policy:
+    max_len: int = 20
+    needs_target_peek = False
+
+    def reset(self) -> None:
+        pass
+
+    def stop(self, step: DraftStep) -> bool:
+        raise NotImplementedError
+
+
+class FixedK(Policy):
+    """Draft exactly k candidates per round (classic speculative decoding)."""
+
+    def __init__(self, k: int = 4):
+        if not 1 <= k <= 64:
+            raise ValueError(f"k must be in 1..64, got {k}")
+        self.k = self.max_len = k
+
+    def stop(self, step):
+        return step.index + 1 >= self.k
+
+
+class HeadPolicy(Policy):
+    """Base of policies driven by an exported head; checks it was trained for this draft."""
+
+    def __init__(self, head_dir: str):
+        self.head, self.config = from_pretrained(head_dir)
+        self.features = FeatureSpec(**self.config["features"])
+        self.head_dir = head_dir
+
+    def bind(self, draft_identity: dict) -> None:
+        check_draft(self.config, draft_identity, where=f"head {self.head_dir}")
+
+    @torch.no_grad()
+    def prob(self, step: DraftStep) -> float:
+        hidden = step.hidden_own if self.features.position == "own" else step.hidden_prev
+        x = self.features.build(hidden, L.entropy(step.q), step.q.max(), step.q[step.token])
+        return float(self.head.prob(x))
+
+
+class SpecDecPP(HeadPolicy):
+    """SpecDec++: stop when 1 - prod_i alpha_hat_i > h (the chance some candidate is rejected).
+
+    With a head reading the "own" position the draft must read candidate i before the decision;
+    the engine does that pass anyway to draft candidate i + 1, so the extra cost is one draft
+    step per round (the pass after the last candidate). A "prev" head decides with no extra pass.
+    """
+
+    def __init__(self, head_dir: str, h: float = 0.7, max_len: int = 20):
+        super().__init__(head_dir)
+        if not 0 < h < 1:
+            raise ValueError(f"h must lie in (0, 1), got {h}")
+        self.h, self.max_len = h, max_len
+        self.survive = 1.0
+
+    def reset(self):
+        self.survive = 1.0
+
+    def stop(self, step):
+        self.survive *= self.prob(step)
+        return 1.0 - self.survive > self.h
+
+
+class SprinterVerifier(HeadPolicy):
+    """SPRINTER's drafting side: keep drafting while the verifier accepts (prob >= eta).
+
+    Pair it with decode.rules.SprinterCheck: the round ends at the first token the verifier
+    rejects, and only that token is checked by the target.
+    """
+
+    def __init__(self, head_dir: str, eta: float = 0.5, max_len: int = 20):
+        super().__init__(head_dir)
+        self.eta, self.max_len = eta, max_len
+
+    def stop(self, step):
+        return self.prob(step) < self.eta
+
+
+class DraftConfidence(Policy):
+    """Hugging Face's assistant_confidence_threshold rule: stop when q(token) < threshold."""
+
+    def __init__(self, threshold: float = 0.4, max_len: int = 20):
+        self.threshold, self.max_len = threshold, max_len
+
+    def stop(self, step):
+        return float(step.q[step.token]) < self.threshold
+
+
+class AdaEDL(Policy):
+    """AdaEDL: stop when the entropy lower bound on acceptance 1 - sqrt(gamma * H(q)) < lam."""
+
+    def __init__(self, lam: float = 0.5, gamma: float = 0.6, max_len: int = 20):
+        self.lam, self.gamma, self.max_len = lam, gamma, max_len
+
+    def stop(self, step):
+        return 1.0 - math.sqrt(self.gamma * float(L.entropy(step.q))) < self.lam
+
+
+class Oracle(Policy):
+    """Hindsight oracle (SpecDec++ Thm 4.1), greedy: draft exactly up to the first disagreement.
+
+    The engine supplies `peek(tokens) -> target argmax after them`, computed off the books (it
+    is not counted as a target call and its time is excluded), because an oracle is a limit.
+    """
+
+    needs_target_peek = True
+
+    def __init__(self, max_len: int = 20):
+        self.max_len = max_len
+        self.peek: Callable[[int], bool] | None = None
+
+    def stop(self, step):
+        return not self.peek(step.index)

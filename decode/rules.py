@@ -1,0 +1,118 @@
+"""Verification rules: given k draft tokens and the target's k + 1 distributions, decide.
+
+Every rule maps (k,) draft tokens, (k, V) q, (k + 1, V) p -> (n accepted, next token), where
+the next token (correction or bonus) is always emitted after the accepted ones. The decisions
+call decode.labels, the same functions data_gen labels with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from decode import labels as L
+from decode.sampling import sample
+
+
+class Rule:
+    """Base rule; `lossless` rules reproduce the target's distribution exactly."""
+
+    lossless = False
+
+    def verify(self, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class SpeculativeSampling(Rule):
+    """Leviathan et al. / Chen et al.: accept x with min(1, p/q), else resample norm(max(0, p - q))."""
+
+    lossless = True
+
+    def verify(self, tokens, q, p, gen):
+        for i, x in enumerate(tokens.tolist()):
+            alpha = L.accept_prob(p[i, x], q[i, x])
+            if torch.rand((), generator=gen) >= alpha:
+                return i, int(sample(self.resample(p[i], q[i]), gen))
+        return len(tokens), int(sample(p[len(tokens)], gen))
+
+    def resample(self, p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
+        return L.residual(p_i, q_i)
+
+
+class GreedyMatch(Rule):
+    """Accept while the draft token is the target's argmax; emit the target's argmax next."""
+
+    lossless = True
+
+    def verify(self, tokens, q, p, gen):
+        best = p.argmax(-1)
+        for i, x in enumerate(tokens.tolist()):
+            if x != int(best[i]):
+                return i, int(best[i])
+        return len(tokens), int(best[len(tokens)])
+
+
+class FSD(Rule):
+    """Fuzzy speculative decoding: accept while D(p_i, q_i) <= T; on rejection sample from p.
+
+    relaxed=True is rFSD: also accept when the ordinary SD test accepts; a rejection then
+    resamples from norm(max(0, p - q)), so T = 0 is exactly speculative sampling.
+    """
+
+    def __init__(self, divergence: str = "js", threshold: float = 0.1, relaxed: bool = False):
+        self.divergence, self.threshold, self.relaxed = divergence, threshold, relaxed
+
+    def verify(self, tokens, q, p, gen):
+        k = len(tokens)
+        div = L.divergence(self.divergence, p[:k], q)
+        for i, x in enumerate(tokens.tolist()):
+            if div[i] <= self.threshold:
+                continue
+            if self.relaxed:
+                if torch.rand((), generator=gen) < L.accept_prob(p[i, x], q[i, x]):
+                    continue
+                return i, int(sample(L.residual(p[i], q[i]), gen))
+            return i, int(sample(p[i], gen))
+        return k, int(sample(p[k], gen))
+
+
+class FLy(Rule):
+    """Training-free loose verification over greedy mismatches.
+
+    A mismatch at i is tolerated when the target is uncertain there (entropy / ln V > theta)
+    and the next W draft tokens of the block all match the target's argmax (deferred window);
+    with fewer than W tokens left in the block the mismatch is rejected. theta = 1 never
+    tolerates a mismatch, which is GreedyMatch.
+    """
+
+    def __init__(self, theta: float = 0.3, window: int = 6):
+        self.theta, self.window = theta, window
+
+    def verify(self, tokens, q, p, gen):
+        k, best = len(tokens), p.argmax(-1)
+        match = (tokens == best[:k]).tolist()
+        h_norm = (L.entropy(p[:k]) / math.log(p.shape[-1])).tolist()
+        for i in range(k):
+            if match[i]:
+                continue
+            ahead = match[i + 1 : i + 1 + self.window]
+            if h_norm[i] > self.theta and len(ahead) == self.window and all(ahead):
+                continue
+            return i, int(best[i])
+        return k, int(best[k])
+
+
+class SprinterCheck(Rule):
+    """SPRINTER: tokens the verifier accepted stand unchecked; the target checks only the last one.
+
+    The drafting policy (decode.policies.SprinterVerifier) ends a round at the first token its
+    verifier rejects; that token gets the SD test (min(1, p/q), else norm(max(0, p - q))).
+    """
+
+    def verify(self, tokens, q, p, gen):
+        k = len(tokens)
+        x = int(tokens[-1])
+        if torch.rand((), generator=gen) < L.accept_prob(p[k - 1, x], q[k - 1, x]):
+            return k, int(sample(p[k], gen))
+        return k - 1, int(sample(L.residual(p[k - 1], q[k - 1]), gen))

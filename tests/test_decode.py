@@ -1,0 +1,152 @@
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from decode.engine import Autoregressive, SpeculativeDecoder
+from decode.pair import Sampling
+from decode.policies import FixedK, Oracle, SpecDecPP, SprinterVerifier
+from decode.rules import FLy, FSD, GreedyMatch, SpeculativeSampling, SprinterCheck
+from decode.sampling import transform
+from heads import AcceptanceHead, HeadMismatch, LinearVerifier, save_pretrained
+
+PROMPTS = [[1 + (i * 3 + j) % 20 for j in range(2 + i % 4)] for i in range(12)]
+ALPHA = 1e-3  # false-alarm rate of each statistical test
+
+
+def with_sampling(pair, **kw):
+    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, sampling=Sampling(**kw)))
+
+
+def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", **kw):
+    head = cls(pair.draft.config.hidden_size, **kw)
+    if bias is not None:
+        with torch.no_grad():
+            head.out.weight.zero_()
+            head.out.bias.fill_(bias)
+    return str(save_pretrained(head, tmp_path / name, {"draft": pair.identity("draft"),
+                                                        "features": {"position": position, "extras": []}}))
+
+
+@pytest.fixture(scope="module")
+def greedy_pair(tiny_pair):
+    return with_sampling(tiny_pair, temperature=0)
+
+
+def test_greedy_paths_equal_target_greedy_token_for_token(greedy_pair, tmp_path):
+    head = export_head(tmp_path, greedy_pair, depth=3)
+    ref = Autoregressive(greedy_pair)
+    for prompt in PROMPTS:
+        want, _ = ref.generate(prompt, 24)
+        for policy, rule in [(FixedK(3), SpeculativeSampling()), (FixedK(5), GreedyMatch()),
+                             (SpecDecPP(head, h=0.5), SpeculativeSampling()), (Oracle(), GreedyMatch())]:
+            got, stats = SpeculativeDecoder(greedy_pair, policy, rule).generate(prompt, 24)
+            assert got == want, (type(policy).__name__, prompt)
+            if isinstance(policy, Oracle):
+                # the oracle never drafts past the first disagreement
+                assert stats.discarded <= stats.rounds
+
+
+def exact_two_token_law(pair, prompt):
+    """(V, V) probability of the target's first two sampled tokens."""
+    with torch.no_grad():
+        p1 = transform(pair.logits(pair.target(torch.tensor([prompt])).logits[0, -1]), pair.config.sampling)
+        V = pair.vocab
+        seqs = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = transform(pair.logits(pair.target(seqs).logits[:, -1]), pair.config.sampling)
+    law = p1[:, None] * p2
+    eos = pair.tokenizer.eos_token_id  # generation stops after a first EOS: record it as (EOS, EOS)
+    law[eos] = 0.0
+    law[eos, eos] = p1[eos]
+    return law
+
+
+def two_token_pvalue(decoder, law, prompt, n=2000):
+    counts = torch.zeros_like(law)
+    for _ in range(n):
+        out, _ = decoder.generate(prompt, 2)
+        counts[out[0], out[1] if len(out) > 1 else out[0]] += 1
+    expected = law.flatten() * n
+    big = expected >= 5  # pool the rare cells into one so the chi-square approximation holds
+    obs = torch.cat([counts.flatten()[big], counts.flatten()[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+class BrokenResample(SpeculativeSampling):
+    """Resamples from p instead of norm(max(0, p - q)): biased towards the draft."""
+
+    def resample(self, p_i, q_i):
+        return p_i
+
+
+@pytest.mark.slow
+def test_speculative_sampling_is_lossless_and_a_broken_resample_is_caught(tiny_pair, tmp_path):
+    pair = with_sampling(tiny_pair, temperature=1.0)
+    prompt = [3, 7]
+    law = exact_two_token_law(pair, prompt)
+    head = export_head(tmp_path, pair, depth=2)
+    assert two_token_pvalue(SpeculativeDecoder(pair, FixedK(2), SpeculativeSampling(), seed=1), law, prompt) > ALPHA
+    assert two_token_pvalue(SpeculativeDecoder(pair, SpecDecPP(head, h=0.5), SpeculativeSampling(), seed=2),
+                            law, prompt) > ALPHA
+    assert two_token_pvalue(SpeculativeDecoder(pair, FixedK(2), BrokenResample(), seed=3), law, prompt) < ALPHA
+
+
+def test_fsd_with_zero_threshold_samples_only_from_the_target(tiny_pair):
+    dec = SpeculativeDecoder(tiny_pair, FixedK(3), FSD("js", threshold=0.0))
+    for prompt in PROMPTS[:4]:
+        _, stats = dec.generate(prompt, 12)
+        assert sum(stats.accepted) == 0  # every token came from p, none from the draft
+
+
+@pytest.mark.parametrize("divergence", ["js", "tv", "kl"])
+def test_rfsd_with_zero_threshold_is_speculative_sampling(tiny_pair, divergence):
+    for prompt in PROMPTS[:4]:
+        a, _ = SpeculativeDecoder(tiny_pair, FixedK(3), FSD(divergence, 0.0, relaxed=True), seed=5).generate(prompt, 16)
+        b, _ = SpeculativeDecoder(tiny_pair, FixedK(3), SpeculativeSampling(), seed=5).generate(prompt, 16)
+        assert a == b
+
+
+def test_sprinter_with_always_rejecting_verifier_is_sd_with_k1(tiny_pair, tmp_path):
+    verifier = export_head(tmp_path, tiny_pair, cls=LinearVerifier, bias=-50.0, position="prev")
+    for prompt in PROMPTS[:4]:
+        a, sa = SpeculativeDecoder(tiny_pair, SprinterVerifier(verifier, eta=0.5), SprinterCheck(), seed=7).generate(prompt, 16)
+        b, sb = SpeculativeDecoder(tiny_pair, FixedK(1), SpeculativeSampling(), seed=7).generate(prompt, 16)
+        assert a == b and sa.target_calls == sb.target_calls
+
+
+def test_fly_with_theta_one_is_greedy_match(tiny_pair):
+    for prompt in PROMPTS[:4]:
+        a, _ = SpeculativeDecoder(tiny_pair, FixedK(4), FLy(theta=1.0), seed=9).generate(prompt, 16)
+        b, _ = SpeculativeDecoder(tiny_pair, FixedK(4), GreedyMatch(), seed=9).generate(prompt, 16)
+        assert a == b
+
+
+def test_cache_rollback_equals_fresh_forward(tiny_pair):
+    dec = SpeculativeDecoder(tiny_pair, FixedK(4), SpeculativeSampling(), seed=11)
+    _, stats = dec.generate(PROMPTS[5], 30)
+    assert stats.discarded > 0 and sum(stats.accepted) > 0  # a mix of accepts and rejects happened
+    for runner in dec.runners:
+        assert runner.length == len(dec.committed)
+        with torch.no_grad():
+            fresh = runner.model(torch.tensor([dec.committed]), use_cache=True).past_key_values
+        for layer, ref in zip(runner.cache.layers, fresh.layers):
+            assert torch.allclose(layer.keys, ref.keys, atol=1e-5) and torch.allclose(layer.values, ref.values, atol=1e-5)
+
+
+def test_bad_input_errors(tiny_pair, tmp_path):
+    dec = SpeculativeDecoder(tiny_pair, FixedK(2), SpeculativeSampling())
+    with pytest.raises(ValueError, match="empty"):
+        dec.generate([], 4)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        dec.generate([1] * 120, 64)
+    other = export_head(tmp_path, tiny_pair, name="other")
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(other) / "config.json").read_text())
+    cfg["draft"]["config_hash"] = "0123456789ab"
+    (Path(other) / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HeadMismatch, match="config_hash"):
+        SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
