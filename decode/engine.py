@@ -47,6 +47,15 @@ class Stats:
                 "t_draft_s": self.t_draft, "t_target_s": self.t_target, "t_head_s": self.t_head}
 
 
+@dataclass
+class Generation:
+    """What generate() returns: new token ids, their text, and the counters."""
+
+    tokens: list[int]
+    text: str
+    stats: Stats
+
+
 class Runner:
     """One model with its KV cache; feed() appends tokens, crop() rolls the cache back."""
 
@@ -91,8 +100,8 @@ class SpeculativeDecoder:
         setattr(stats, which, getattr(stats, which) + time.perf_counter() - t0)
         return out
 
-    def _draft_round(self, draft: Runner, pending: int, stats: Stats, peek_prefix: list[int]):
-        """Draft candidates until the policy stops -> tokens, (k, V) q."""
+    def _draft_round(self, draft: Runner, pending: int, stats: Stats, peek_prefix: list[int], limit: int):
+        """Draft candidates until the policy stops or `limit` is reached -> tokens, (k, V) q."""
         s, policy = self.pair.config.sampling, self.policy
         policy.reset()
         logits, hidden = self._timed("t_draft", stats, draft.feed, [pending])
@@ -110,7 +119,7 @@ class SpeculativeDecoder:
             stats.draft_calls += 1
             step = DraftStep(len(tokens) - 1, tok, q, prev, hidden[-1])
             t0 = time.perf_counter()
-            stop = policy.stop(step) or len(tokens) >= policy.max_len
+            stop = policy.stop(step) or len(tokens) >= min(policy.max_len, limit)
             stats.t_head += time.perf_counter() - t0
             if stop:
                 return tokens, torch.stack(qs)
@@ -120,8 +129,11 @@ class SpeculativeDecoder:
         """Target argmax after prefix, off the books (for the oracle only)."""
         return int(self.pair.logits(self.pair.target(torch.tensor([prefix])).logits[0, -1]).argmax())
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64) -> tuple[list[int], Stats]:
-        """Prompt token ids -> new token ids (stops at EOS or max_new_tokens) and this call's stats."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
+        """Prompt token ids -> new tokens (stops at EOS or max_new_tokens), text and stats.
+
+        on_tokens(list[int]) is called with each round's new tokens, for streaming.
+        """
         check_prompt(self.pair, prompt_ids, max_new_tokens)
         stats, eos, s = Stats(), self.pair.tokenizer.eos_token_id, self.pair.config.sampling
         draft, target = Runner(self.pair.draft, self.pair), Runner(self.pair.target, self.pair)
@@ -131,7 +143,9 @@ class SpeculativeDecoder:
             self._timed("t_target", stats, target.feed, prompt_ids[:-1])
         committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
         while len(out) < max_new_tokens:
-            tokens, q = self._draft_round(draft, pending, stats, committed + [pending])
+            # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).
+            limit = max(1, min(max_new_tokens - len(out), self.pair.config.max_context - len(committed) - 2))
+            tokens, q = self._draft_round(draft, pending, stats, committed + [pending], limit)
             logits, _ = self._timed("t_target", stats, target.feed, [pending] + tokens)
             stats.target_calls += 1
             p = transform(logits, s)
@@ -146,6 +160,8 @@ class SpeculativeDecoder:
             if eos in new:
                 new = new[: new.index(eos) + 1]
             out += new
+            if on_tokens is not None:
+                on_tokens(new)
             pending = nxt
             if eos in new:
                 break
@@ -153,7 +169,7 @@ class SpeculativeDecoder:
         stats.new_tokens = len(out)
         stats.wall = time.perf_counter() - t_start
         self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
-        return out, stats
+        return Generation(out, self.pair.tokenizer.decode(out), stats)
 
 
 class Autoregressive:
@@ -163,7 +179,8 @@ class Autoregressive:
         self.pair, self.which = pair, which
         self.gen = torch.Generator().manual_seed(seed)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64) -> tuple[list[int], Stats]:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
+        """Prompt token ids -> new tokens, text and stats, one target (or draft) call per token."""
         check_prompt(self.pair, prompt_ids, max_new_tokens)
         stats, eos = Stats(), self.pair.tokenizer.eos_token_id
         runner = Runner(getattr(self.pair, self.which), self.pair)
@@ -174,6 +191,8 @@ class Autoregressive:
         while len(out) < max_new_tokens:
             tok = int(sample(transform(logits[-1], self.pair.config.sampling), self.gen))
             out.append(tok)
+            if on_tokens is not None:
+                on_tokens([tok])
             if tok == eos or len(out) == max_new_tokens:
                 break
             t1 = time.perf_counter()
@@ -184,4 +203,7 @@ class Autoregressive:
         else:
             stats.draft_calls = len(out)
         stats.new_tokens, stats.wall = len(out), time.perf_counter() - t0
-        return out, stats
+        return Generation(out, self.pair.tokenizer.decode(out), stats)
+
+
+Decoder = SpeculativeDecoder  # the public name: Decoder(pair, policy, rule).generate(prompt_ids, n)

@@ -38,10 +38,11 @@ def test_greedy_paths_equal_target_greedy_token_for_token(greedy_pair, tmp_path)
     head = export_head(tmp_path, greedy_pair, depth=3)
     ref = Autoregressive(greedy_pair)
     for prompt in PROMPTS:
-        want, _ = ref.generate(prompt, 24)
+        want = ref.generate(prompt, 24).tokens
         for policy, rule in [(FixedK(3), SpeculativeSampling()), (FixedK(5), GreedyMatch()),
                              (SpecDecPP(head, h=0.5), SpeculativeSampling()), (Oracle(), GreedyMatch())]:
-            got, stats = SpeculativeDecoder(greedy_pair, policy, rule).generate(prompt, 24)
+            res = SpeculativeDecoder(greedy_pair, policy, rule).generate(prompt, 24)
+            got, stats = res.tokens, res.stats
             assert got == want, (type(policy).__name__, prompt)
             if isinstance(policy, Oracle):
                 # the oracle never drafts past the first disagreement
@@ -65,7 +66,7 @@ def exact_two_token_law(pair, prompt):
 def two_token_pvalue(decoder, law, prompt, n=2000):
     counts = torch.zeros_like(law)
     for _ in range(n):
-        out, _ = decoder.generate(prompt, 2)
+        out = decoder.generate(prompt, 2).tokens
         counts[out[0], out[1] if len(out) > 1 else out[0]] += 1
     expected = law.flatten() * n
     big = expected >= 5  # pool the rare cells into one so the chi-square approximation holds
@@ -96,36 +97,36 @@ def test_speculative_sampling_is_lossless_and_a_broken_resample_is_caught(tiny_p
 def test_fsd_with_zero_threshold_samples_only_from_the_target(tiny_pair):
     dec = SpeculativeDecoder(tiny_pair, FixedK(3), FSD("js", threshold=0.0))
     for prompt in PROMPTS[:4]:
-        _, stats = dec.generate(prompt, 12)
+        stats = dec.generate(prompt, 12).stats
         assert sum(stats.accepted) == 0  # every token came from p, none from the draft
 
 
 @pytest.mark.parametrize("divergence", ["js", "tv", "kl"])
 def test_rfsd_with_zero_threshold_is_speculative_sampling(tiny_pair, divergence):
     for prompt in PROMPTS[:4]:
-        a, _ = SpeculativeDecoder(tiny_pair, FixedK(3), FSD(divergence, 0.0, relaxed=True), seed=5).generate(prompt, 16)
-        b, _ = SpeculativeDecoder(tiny_pair, FixedK(3), SpeculativeSampling(), seed=5).generate(prompt, 16)
+        a = SpeculativeDecoder(tiny_pair, FixedK(3), FSD(divergence, 0.0, relaxed=True), seed=5).generate(prompt, 16).tokens
+        b = SpeculativeDecoder(tiny_pair, FixedK(3), SpeculativeSampling(), seed=5).generate(prompt, 16).tokens
         assert a == b
 
 
 def test_sprinter_with_always_rejecting_verifier_is_sd_with_k1(tiny_pair, tmp_path):
     verifier = export_head(tmp_path, tiny_pair, cls=LinearVerifier, bias=-50.0, position="prev")
     for prompt in PROMPTS[:4]:
-        a, sa = SpeculativeDecoder(tiny_pair, SprinterVerifier(verifier, eta=0.5), SprinterCheck(), seed=7).generate(prompt, 16)
-        b, sb = SpeculativeDecoder(tiny_pair, FixedK(1), SpeculativeSampling(), seed=7).generate(prompt, 16)
-        assert a == b and sa.target_calls == sb.target_calls
+        ra = SpeculativeDecoder(tiny_pair, SprinterVerifier(verifier, eta=0.5), SprinterCheck(), seed=7).generate(prompt, 16)
+        rb = SpeculativeDecoder(tiny_pair, FixedK(1), SpeculativeSampling(), seed=7).generate(prompt, 16)
+        assert ra.tokens == rb.tokens and ra.stats.target_calls == rb.stats.target_calls
 
 
 def test_fly_with_theta_one_is_greedy_match(tiny_pair):
     for prompt in PROMPTS[:4]:
-        a, _ = SpeculativeDecoder(tiny_pair, FixedK(4), FLy(theta=1.0), seed=9).generate(prompt, 16)
-        b, _ = SpeculativeDecoder(tiny_pair, FixedK(4), GreedyMatch(), seed=9).generate(prompt, 16)
+        a = SpeculativeDecoder(tiny_pair, FixedK(4), FLy(theta=1.0), seed=9).generate(prompt, 16).tokens
+        b = SpeculativeDecoder(tiny_pair, FixedK(4), GreedyMatch(), seed=9).generate(prompt, 16).tokens
         assert a == b
 
 
 def test_cache_rollback_equals_fresh_forward(tiny_pair):
     dec = SpeculativeDecoder(tiny_pair, FixedK(4), SpeculativeSampling(), seed=11)
-    _, stats = dec.generate(PROMPTS[5], 30)
+    stats = dec.generate(PROMPTS[5], 30).stats
     assert stats.discarded > 0 and sum(stats.accepted) > 0  # a mix of accepts and rejects happened
     for runner in dec.runners:
         assert runner.length == len(dec.committed)

@@ -37,11 +37,12 @@ def tiny_model(vocab: int, layers: int, width: int, seed: int, init: float = 0.4
     return GPT2LMHeadModel(cfg).eval()
 
 
-def write_tiny_pair(root: Path, seed: int = 0, draft_alphabet: list[str] = ALPHABET, **sampling) -> Path:
+def write_tiny_pair(root: Path, seed: int = 0, draft_alphabet: list[str] = ALPHABET, pad_rows: int = 8,
+                    **sampling) -> Path:
     """Save a tiny pair as HF folders under root and return the path of its pair YAML."""
     tok_d, tok_t = tiny_tokenizer(draft_alphabet), tiny_tokenizer()
     draft = tiny_model(len(tok_d), layers=1, width=32, seed=seed + 1)
-    target = tiny_model(len(tok_t), layers=2, width=32, seed=seed + 2, pad_rows=8)
+    target = tiny_model(len(tok_t), layers=2, width=32, seed=seed + 2, pad_rows=pad_rows)
     for name, model, tok in (("draft", draft, tok_d), ("target", target, tok_t)):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)

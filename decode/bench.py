@@ -1,0 +1,182 @@
+"""Every method on the same prompts in one process: a table, a CSV and plots.
+
+    python -m decode bench --config configs/bench/pycode.yaml [--quick true]
+
+Methods are listed in the YAML as a policy and a rule by class_path (with optional grids over
+one init argument), plus the baselines: target alone, draft alone, Hugging Face assisted
+generation at constant K and with its dynamic confidence threshold, and FSD's random
+allocation (each prompt to the draft with share s, derived from the two baselines' runs).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+from decode.engine import Autoregressive, Decoder, Stats
+from decode.pair import Pair, load_pair
+from decode.quality import quality
+from decode.report import pareto_plot, quality_plot, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(spec: dict):
+    """{'class_path': 'pkg.mod.Class', 'init_args': {...}} -> instance."""
+    module, _, name = spec["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(**spec.get("init_args", {}))
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str = "spec"  # spec | target | draft | hf
+    policy: dict | None = None
+    rule: dict | None = None
+    hf: dict = field(default_factory=dict)
+    family: str = ""  # for plots: fixed, specdecpp, fsd, sprinter, ...
+
+
+def expand(raw: dict) -> list[Method]:
+    """One YAML entry -> methods, one per value of its grid ({'policy.k': [1, 2]} style)."""
+    grid = raw.pop("grid", None)
+    if not grid:
+        return [Method(**raw)]
+    (key, values), = grid.items()
+    out = []
+    for v in values:
+        r = yaml.safe_load(yaml.safe_dump(raw))
+        part, arg = key.split(".")
+        if part == "hf":
+            r.setdefault("hf", {})[arg] = v
+        else:
+            r[part].setdefault("init_args", {})[arg] = v
+        r["name"] = raw["name"].format(v=v)
+        out.append(Method(**r))
+    return out
+
+
+def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int) -> tuple[list[int], Stats]:
+    """Hugging Face generate, assisted (hf: {'k': K} or {'confidence': c}) or not; sampling as the pair."""
+    s = pair.config.sampling
+    kwargs = dict(max_new_tokens=n, min_new_tokens=0, pad_token_id=pair.tokenizer.eos_token_id,
+                  do_sample=s.temperature > 0)
+    if s.temperature > 0:
+        kwargs |= dict(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
+    if hf:
+        if pair.draft.config.vocab_size != pair.target.config.vocab_size:
+            raise ValueError(f"Hugging Face assisted generation needs equal embedding sizes, got draft "
+                             f"{pair.draft.config.vocab_size} and target {pair.target.config.vocab_size}: "
+                             "drop the kind: hf methods from the bench config for this pair")
+        gc = pair.draft.generation_config
+        gc.num_assistant_tokens = hf.get("k", 20)
+        gc.num_assistant_tokens_schedule = "constant"
+        gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
+        kwargs["assistant_model"] = pair.draft
+    torch.manual_seed(seed)
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
+    st = Stats(new_tokens=len(out), wall=time.perf_counter() - t0)
+    return out, st
+
+
+def run_method(pair: Pair, m: Method, prompts: list[list[int]], n: int, seed: int) -> tuple[Stats, list[list[int]]]:
+    total, outs = Stats(), []
+    for i, ids in enumerate(prompts):
+        if m.kind == "hf":
+            out, st = hf_generate(pair, ids, n, m.hf, seed + i)
+        else:
+            dec = Autoregressive(pair, m.kind, seed + i) if m.kind in ("target", "draft") else \
+                Decoder(pair, build(m.policy), build(m.rule), seed=seed + i)
+            g = dec.generate(ids, n)
+            out, st = g.tokens, g.stats
+        total.add(st)
+        outs.append(out)
+    return total, outs
+
+
+def cost_fit(rows: list[dict]) -> tuple[float, float]:
+    """Least-squares t_draft, t_target (s per forward call) from wall = draft_calls t_d + target_calls t_t."""
+    a = np.array([[r["draft_calls"], r["target_calls"]] for r in rows if r["kind"] != "hf"], dtype=float)
+    b = np.array([r["wall_s"] for r in rows if r["kind"] != "hf"])
+    (t_d, t_t), *_ = np.linalg.lstsq(a, b, rcond=None)
+    return float(t_d), float(t_t)
+
+
+def run(config: str, quick: bool = False) -> list[dict]:
+    cfg = yaml.safe_load((ROOT / config if not Path(config).is_absolute() else Path(config)).read_text())
+    torch.set_num_threads(cfg.get("threads", 2))
+    pair = load_pair(cfg["pair"])
+    methods = [m for raw in cfg["methods"] for m in expand(dict(raw))]
+    if quick:
+        methods = [m for m in methods if m.name in cfg.get("quick_methods", [])] or methods[:6]
+    from data_gen.prompts import PromptSet
+
+    out_dir = ROOT / cfg.get("output", "runs/bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n, seed, all_rows = cfg.get("max_new_tokens", 64), cfg.get("seed", 0), []
+    for ps_raw in cfg["prompt_sets"]:
+        ps = PromptSet(**ps_raw | ({"limit": cfg.get("quick_prompts", 4)} if quick else {}))
+        budget = pair.config.max_context - n
+        prompts = [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-budget:] for t in ps.load()["prompt"]]
+        label = f"{ps.name}/{ps.split}"
+        run_method(pair, Method("warm-up", "spec", {"class_path": "decode.policies.FixedK"},
+                                {"class_path": "decode.rules.SpeculativeSampling"}), prompts[:1], 8, seed)
+        rows, outputs = [], {}
+        for m in tqdm(methods, desc=f"bench {label}"):
+            st, outs = run_method(pair, m, prompts, n, seed)
+            outputs[m.name] = outs
+            rows.append({"prompts": label, "method": m.name, "kind": m.kind, "family": m.family or m.kind,
+                         **st.summary(), **quality(pair, prompts, outs)})
+        base = next(r for r in rows if r["kind"] == "target")
+        t_d, t_t = cost_fit(rows)
+        for r in rows:
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["target_calls_per_token"] = r["verification_rate"]
+            if r["kind"] != "hf":
+                r["cost_model_tokens_per_s"] = r["new_tokens"] / max(1e-9, r["draft_calls"] * t_d + r["target_calls"] * t_t)
+        rows += random_allocation(rows, cfg.get("random_shares", [0.25, 0.5, 0.75]))
+        print(f"\n## {label}: {len(prompts)} prompts, {n} new tokens, t_draft {1e3 * t_d:.2f} ms, "
+              f"t_target {1e3 * t_t:.2f} ms per call (linear fit)\n")
+        print(table(rows))
+        pareto_plot(rows, out_dir / f"pareto_{ps.name}_{ps.split}.png", label)
+        quality_plot(rows, out_dir / f"speed_quality_{ps.name}_{ps.split}.png", label)
+        all_rows += rows
+    with open(out_dir / "bench.csv", "w", newline="") as f:
+        keys = list(dict.fromkeys(itertools.chain.from_iterable(r.keys() for r in all_rows)))
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(all_rows)
+    (out_dir / "bench.md").write_text("\n\n".join(table([r for r in all_rows if r["prompts"] == p])
+                                                  for p in dict.fromkeys(r["prompts"] for r in all_rows)))
+    print(f"\ntable, CSV and plots in {out_dir}")
+    return all_rows
+
+
+def random_allocation(rows: list[dict], shares: list[float]) -> list[dict]:
+    """FSD's baseline: each prompt goes to the draft with share s, else to the target (expected values)."""
+    t = next(r for r in rows if r["kind"] == "target")
+    d = next((r for r in rows if r["kind"] == "draft"), None)
+    if d is None:
+        return []
+    out = []
+    for s in shares:
+        wall = s * d["wall_s"] + (1 - s) * t["wall_s"]
+        tokens = s * d["new_tokens"] + (1 - s) * t["new_tokens"]
+        out.append({"prompts": t["prompts"], "method": f"random allocation s={s}", "kind": "random",
+                    "family": "random", "new_tokens": tokens, "tokens_per_s": tokens / wall,
+                    "speedup": (tokens / wall) / t["tokens_per_s"],
+                    "target_nll": s * d["target_nll"] + (1 - s) * t["target_nll"],
+                    "greedy_agreement": s * d["greedy_agreement"] + (1 - s) * t["greedy_agreement"],
+                    "parse_rate": s * d["parse_rate"] + (1 - s) * t["parse_rate"]})
+    return out
