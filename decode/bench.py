@@ -113,53 +113,76 @@ def cost_fit(rows: list[dict]) -> tuple[float, float]:
     return float(t_d), float(t_t)
 
 
+def with_temperature(pair: Pair, temperature: float | None) -> Pair:
+    if temperature is None:
+        return pair
+    import dataclasses
+
+    sampling = dataclasses.replace(pair.config.sampling, temperature=temperature)
+    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, sampling=sampling))
+
+
+def run_section(pair: Pair, label: str, prompts: list[list[int]], methods: list[Method], n: int, seed: int,
+                shares: list[float]) -> list[dict]:
+    """All methods on one prompt set under one sampling setting -> rows (also printed)."""
+    run_method(pair, Method("warm-up", "spec", {"class_path": "decode.policies.FixedK"},
+                            {"class_path": "decode.rules.SpeculativeSampling"}), prompts[:1], 8, seed)
+    rows = []
+    for m in tqdm(methods, desc=f"bench {label}"):
+        st, outs = run_method(pair, m, prompts, n, seed)
+        rows.append({"prompts": label, "method": m.name, "kind": m.kind, "family": m.family or m.kind,
+                     **st.summary(), **quality(pair, prompts, outs)})
+    base = next(r for r in rows if r["kind"] == "target")
+    t_d, t_t = cost_fit(rows)
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["target_calls_per_token"] = r["verification_rate"]
+        if r["kind"] != "hf":
+            r["cost_model_tokens_per_s"] = r["new_tokens"] / max(1e-9, r["draft_calls"] * t_d + r["target_calls"] * t_t)
+    rows += random_allocation(rows, shares)
+    print(f"\n## {label}: {len(prompts)} prompts, {n} new tokens, t_draft {1e3 * t_d:.2f} ms, "
+          f"t_target {1e3 * t_t:.2f} ms per call (linear fit)\n")
+    print(table(rows), flush=True)
+    return rows
+
+
 def run(config: str, quick: bool = False) -> list[dict]:
     cfg = yaml.safe_load((ROOT / config if not Path(config).is_absolute() else Path(config)).read_text())
     torch.set_num_threads(cfg.get("threads", 2))
     pair = load_pair(cfg["pair"])
-    methods = [m for raw in cfg["methods"] for m in expand(dict(raw))]
-    if quick:
-        methods = [m for m in methods if m.name in cfg.get("quick_methods", [])] or methods[:6]
     from data_gen.prompts import PromptSet
 
-    out_dir = ROOT / cfg.get("output", "runs/bench")
+    out_dir = Path(cfg.get("output", "runs/bench"))
+    out_dir = out_dir if out_dir.is_absolute() else ROOT / out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     n, seed, all_rows = cfg.get("max_new_tokens", 64), cfg.get("seed", 0), []
+    sections = cfg.get("sections") or [{"name": "", "temperature": None, "methods": cfg["methods"]}]
     for ps_raw in cfg["prompt_sets"]:
-        ps = PromptSet(**ps_raw | ({"limit": cfg.get("quick_prompts", 4)} if quick else {}))
+        ps = PromptSet(**ps_raw | ({"limit": cfg.get("quick_prompts", 3)} if quick else {}))
         budget = pair.config.max_context - n
         prompts = [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-budget:] for t in ps.load()["prompt"]]
-        label = f"{ps.name}/{ps.split}"
-        run_method(pair, Method("warm-up", "spec", {"class_path": "decode.policies.FixedK"},
-                                {"class_path": "decode.rules.SpeculativeSampling"}), prompts[:1], 8, seed)
-        rows, outputs = [], {}
-        for m in tqdm(methods, desc=f"bench {label}"):
-            st, outs = run_method(pair, m, prompts, n, seed)
-            outputs[m.name] = outs
-            rows.append({"prompts": label, "method": m.name, "kind": m.kind, "family": m.family or m.kind,
-                         **st.summary(), **quality(pair, prompts, outs)})
-        base = next(r for r in rows if r["kind"] == "target")
-        t_d, t_t = cost_fit(rows)
-        for r in rows:
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["target_calls_per_token"] = r["verification_rate"]
-            if r["kind"] != "hf":
-                r["cost_model_tokens_per_s"] = r["new_tokens"] / max(1e-9, r["draft_calls"] * t_d + r["target_calls"] * t_t)
-        rows += random_allocation(rows, cfg.get("random_shares", [0.25, 0.5, 0.75]))
-        print(f"\n## {label}: {len(prompts)} prompts, {n} new tokens, t_draft {1e3 * t_d:.2f} ms, "
-              f"t_target {1e3 * t_t:.2f} ms per call (linear fit)\n")
-        print(table(rows))
-        pareto_plot(rows, out_dir / f"pareto_{ps.name}_{ps.split}.png", label)
-        quality_plot(rows, out_dir / f"speed_quality_{ps.name}_{ps.split}.png", label)
-        all_rows += rows
+        for sec in sections:
+            methods = [m for raw in sec["methods"] for m in expand(dict(raw))]
+            if quick:
+                methods = [m for m in methods if m.kind in ("target", "draft") or m.name in cfg.get("quick_methods", [])]
+            label = f"{ps.name}/{ps.split}" + (f" {sec['name']}" if sec["name"] else "")
+            rows = run_section(with_temperature(pair, sec.get("temperature")), label, prompts, methods, n, seed,
+                               cfg.get("random_shares", [0.25, 0.5, 0.75]))
+            stem = f"{ps.name}_{ps.split}" + (f"_{sec['name']}" if sec["name"] else "")
+            pareto_plot(rows, out_dir / f"pareto_{stem}.png", label)
+            quality_plot(rows, out_dir / f"speed_quality_{stem}.png", label)
+            all_rows += rows
     with open(out_dir / "bench.csv", "w", newline="") as f:
         keys = list(dict.fromkeys(itertools.chain.from_iterable(r.keys() for r in all_rows)))
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(all_rows)
-    (out_dir / "bench.md").write_text("\n\n".join(table([r for r in all_rows if r["prompts"] == p])
-                                                  for p in dict.fromkeys(r["prompts"] for r in all_rows)))
-    print(f"\ntable, CSV and plots in {out_dir}")
+    stamp = time.strftime("%Y-%m-%d")
+    md = [f"Generated by `python -m decode bench --config {config}{' --quick true' if quick else ''}` on {stamp}."]
+    for label in dict.fromkeys(r["prompts"] for r in all_rows):
+        md += [f"### {label}", table([r for r in all_rows if r["prompts"] == label])]
+    (out_dir / "bench.md").write_text("\n\n".join(md) + "\n")
+    print(f"\ntable (bench.md), CSV and plots in {out_dir}")
     return all_rows
 
 
