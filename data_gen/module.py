@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from data_gen.generate import KINDS, Mixing, label_batch
 from data_gen.prompts import PromptSet
-from data_gen.store import claim_output, clean_partial, code_version, done_ids, write_shard
+from data_gen.store import claim_output, clean_partial, code_version, done_ids, lock_output, write_shard
 from decode.pair import PairConfig, load_pair, load_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,10 @@ class PromptData(L.LightningDataModule):
         if budget < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
                              f"max_context={cfg.max_context} of pair {cfg.name}")
-        clean_partial(self.output_dir)
+        if self.trainer is None or self.trainer.global_rank == 0:
+            # Rank 0 holds the folder's lock for the whole run; other ranks are part of the same run.
+            self._lock = lock_output(self.output_dir)
+            clean_partial(self.output_dir)
         done = done_ids(self.output_dir)
         counts = {"prompts": 0, "empty_skipped": 0, "truncated": 0, "already_done": 0}
         items = []

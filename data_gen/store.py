@@ -17,10 +17,10 @@ import uuid
 from pathlib import Path
 
 import datasets
-
-datasets.disable_progress_bars()
 import torch
 from safetensors.torch import load_file, save_file
+
+datasets.disable_progress_bars()
 
 # Keys whose values must match for new records to join an existing label set.
 IDENTITY_KEYS = ("pair_hash", "draft", "target", "sampling", "seed", "mixing", "max_new_tokens")
@@ -28,6 +28,32 @@ IDENTITY_KEYS = ("pair_hash", "draft", "target", "sampling", "seed", "mixing", "
 
 class LabelSetMismatch(ValueError):
     """The output folder holds labels made under other settings."""
+
+
+class OutputBusy(RuntimeError):
+    """Another labelling run is writing to the same output folder."""
+
+
+def lock_output(output: Path):
+    """Hold an exclusive lock on output/.lock for this process's lifetime (one writer per folder).
+
+    Returns the open lock file; the lock goes when the process ends, however it ends.
+    """
+    import fcntl
+    import os
+
+    output.mkdir(parents=True, exist_ok=True)
+    f = open(output / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise OutputBusy(f"another data_gen run (pid {f.read().strip() or '?'}) is writing to {output}; "
+                         "wait for it or stop it (Ctrl-C) before starting another") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def code_version() -> str:
@@ -106,7 +132,11 @@ def load_split(output: str | Path, split: str) -> datasets.Dataset:
     if not shards:
         raise FileNotFoundError(f"no label shards under {output / split}; run `python -m data_gen` first")
     ds = datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
-    return ds.sort("id")
+    ds = ds.sort("id")
+    # A prompt labelled twice (only possible if shards were copied in by hand) is kept once.
+    ids = ds["id"]
+    keep = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+    return ds if len(keep) == len(ids) else ds.select(keep)
 
 
 def load_features(output: str | Path, split: str) -> dict[str, torch.Tensor]:

@@ -119,3 +119,21 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, tiny_pair_yaml)
     assert f"{first} already labelled" in res.stdout or first >= 3
     ids = load_split(out, "jsonl_train")["id"]
     assert len(ids) == len(set(ids)) == 61
+
+
+def test_second_writer_is_refused(tmp_path):
+    import subprocess as sp
+
+    from data_gen.store import OutputBusy, lock_output
+
+    holder = sp.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                       "from data_gen.store import lock_output; f = lock_output(Path(sys.argv[1])); "
+                       "print('locked', flush=True); time.sleep(60)", str(tmp_path)], cwd=ROOT, stdout=sp.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputBusy, match=f"pid {holder.pid}"):
+            lock_output(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_output(tmp_path)  # free again once the holder is gone

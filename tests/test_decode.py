@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.pair import Sampling
 from decode.policies import FixedK, Oracle, SpecDecPP, SprinterVerifier
-from decode.rules import FLy, FSD, GreedyMatch, SpeculativeSampling, SprinterCheck
+from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck
 from decode.sampling import transform
 from heads import AcceptanceHead, HeadMismatch, LinearVerifier, save_pretrained
 

@@ -5,8 +5,16 @@ import pytest
 import torch
 import yaml
 
-from heads import AcceptanceHead, FeatureSpec, HeadMismatch, LinearVerifier, check_draft, from_pretrained, save_pretrained
-from train.labels import SoftAcceptance, binary_kl, weighted_bce
+from heads import (
+    AcceptanceHead,
+    FeatureSpec,
+    HeadMismatch,
+    LinearVerifier,
+    check_draft,
+    from_pretrained,
+    save_pretrained,
+)
+from train.labels import binary_kl, weighted_bce
 from train.sweep import config_with, set_export_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,3 +123,15 @@ def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tmp_path):
     x = run.datamodule.tensors["dev"].tensors[0]
     assert torch.allclose(head.prob(x), run.model.head.eval().prob(x))
     assert json.loads((out / "config.json").read_text())["features"]["position"] in ("own", "prev")
+
+
+def test_sweep_grid_parsing_and_paths():
+    from train.sweep import parse_set, set_path
+
+    grid = parse_set(["model.head.init_args.depth=1,3", "data.label.init_args.gamma=1,1.2"])
+    assert grid == {"model.head.init_args.depth": [1, 3], "data.label.init_args.gamma": [1, 1.2]}
+    cfg = {"model": {"head": {"class_path": "heads.AcceptanceHead"}}}
+    set_path(cfg, "model.head.init_args.depth", 3)
+    assert cfg["model"]["head"]["init_args"]["depth"] == 3
+    with pytest.raises(ValueError, match="path=v1,v2"):
+        parse_set(["model.lr"])

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from decode.paircheck import step_cost_ms
 from decode.pair import load_pair
+from decode.paircheck import step_cost_ms
 from heads import AcceptanceHead, FeatureSpec, LinearVerifier
 from train.data import flatten, resolve
 from train.labels import weighted_bce

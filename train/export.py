@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from sklearn.metrics import roc_auc_score

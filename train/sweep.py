@@ -1,16 +1,19 @@
-"""SpecDec++'s grid: depth in {1, 3} x w_rej in {1, 3, 6, 12}, one exported head each, one table.
+"""Grids of recipes: one exported head per cell and one table of train/eval binary KL and AUROC.
 
-    python -m train sweep --config heads/specdecpp.yaml
-    python -m train sweep --config heads/specdecpp.yaml --depths 1 3 --w-rej 1 6 --max-epochs 1
+    python -m train sweep --config heads/specdecpp.yaml --prefix specdecpp \
+        --set model.head.init_args.depth=1,3 --set data.label.init_args.w_rej=1,3,6,12
+    python -m train sweep --config heads/sprinter.yaml --prefix sprinter --set data.label.init_args.gamma=1,1.2,1.5
 
-Each cell is an ordinary `fit` of the recipe with the two values replaced; heads are exported to
-checkpoints/<prefix>-d<depth>-w<w_rej>/ and the table gives train and eval binary KL and AUROC.
+Each cell is an ordinary `fit` of the recipe with the listed values replaced (dotted paths into
+the YAML); heads are exported to checkpoints/<prefix>-<short values>/. Other arguments pass
+through to fit (e.g. --trainer.max_epochs 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -36,40 +39,64 @@ def set_export_name(cfg: dict, name: str) -> None:
             cb.setdefault("init_args", {})["name"] = name
 
 
-def run_cell(base: str, depth: int, w_rej: float, prefix: str, extra: list[str]) -> dict:
+def set_path(cfg: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def parse_set(items: list[str]) -> dict[str, list]:
+    """['a.b=1,2'] -> {'a.b': [1, 2]} with YAML typing of each value."""
+    out = {}
+    for item in items:
+        key, _, values = item.partition("=")
+        if not values:
+            raise ValueError(f"--set needs path=v1,v2,...; got {item!r}")
+        out[key] = [yaml.safe_load(v) for v in values.split(",")]
+    return out
+
+
+def run_cell(base: str, values: dict, name: str, extra: list[str]) -> dict:
     from train.__main__ import cli
 
-    name = f"{prefix}-d{depth}-w{w_rej:g}"
-
     def edit(cfg):
-        cfg["model"]["head"]["init_args"] = {"depth": depth}
-        cfg["data"]["label"]["init_args"]["w_rej"] = w_rej
+        for k, v in values.items():
+            set_path(cfg, k, v)
         set_export_name(cfg, name)
         cfg["trainer"]["logger"] = False
 
-    path = config_with(base, edit)
-    run = cli(["fit", "--config", str(path), *extra])
+    run = cli(["fit", "--config", str(config_with(base, edit)), *extra])
     export = next(cb for cb in run.trainer.callbacks if type(cb).__name__ == "ExportHead")
     data, head = run.datamodule, run.model.head.eval()
     with torch.no_grad():
         x, t, _ = data.tensors[data.train_split].tensors
         train_kl = float(binary_kl(t, head.prob(x)).mean())
-    return {"head": name, "depth": depth, "w_rej": w_rej, "train_binary_kl": train_kl,
-            "eval_binary_kl": export.metrics["binary_kl"], "eval_auroc": export.metrics["auroc"]}
+    return {"head": name, **values, "train_binary_kl": train_kl, "eval_binary_kl": export.metrics["binary_kl"],
+            "eval_auroc": export.metrics["auroc"], "draft_confidence_auroc": export.metrics["draft_confidence_auroc"]}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m train sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="heads/specdecpp.yaml")
-    ap.add_argument("--depths", nargs="+", type=int, default=[1, 3])
-    ap.add_argument("--w-rej", nargs="+", type=float, default=[1, 3, 6, 12])
-    ap.add_argument("--prefix", default="specdecpp")
+    ap.add_argument("--prefix", default="sweep")
+    ap.add_argument("--set", action="append", default=[], help="dotted.path=v1,v2 (repeatable)")
     args, extra = ap.parse_known_args(argv)
-    rows = [run_cell(args.config, d, w, args.prefix, extra) for d in args.depths for w in args.w_rej]
-    print("\n| head | depth | w_rej | train binary KL | eval binary KL | eval AUROC |\n|---|---|---|---|---|---|")
+    grid = parse_set(args.set) or {"model.head.init_args.depth": [1, 3], "data.label.init_args.w_rej": [1, 3, 6, 12]}
+    rows = []
+    for combo in itertools.product(*grid.values()):
+        values = dict(zip(grid, combo))
+        name = args.prefix + "".join(f"-{k.split('.')[-1]}{v:g}" if isinstance(v, (int, float)) else f"-{v}"
+                                     for k, v in values.items())
+        rows.append(run_cell(args.config, values, name, extra))
+    keys = [k.split(".")[-1] for k in grid]
+    print("\n| head | " + " | ".join(keys) + " | train binary KL | eval binary KL | eval AUROC | draft-confidence AUROC |")
+    print("|" + "---|" * (len(keys) + 5))
     for r in rows:
-        print(f"| {r['head']} | {r['depth']} | {r['w_rej']:g} | {r['train_binary_kl']:.4f} | "
-              f"{r['eval_binary_kl']:.4f} | {r['eval_auroc']:.4f} |")
+        vals = " | ".join(f"{r[k]}" for k in grid)
+        print(f"| {r['head']} | {vals} | {r['train_binary_kl']:.4f} | {r['eval_binary_kl']:.4f} | "
+              f"{r['eval_auroc']:.4f} | {r['draft_confidence_auroc']:.4f} |")
 
 
 if __name__ == "__main__":
