@@ -68,11 +68,17 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
           f"{s['t_target_s']:.3f}s head {s['t_head_s']:.3f}s")
 
 
-def bench(config: str = "configs/bench/pycode.yaml", quick: bool = False) -> None:
-    """Run every method of a bench config on its prompt sets; print and save the table and plots."""
+def bench(config: str = "configs/bench/pycode.yaml", quick: bool = False, readme: bool = False) -> None:
+    """Run every method of a bench config on its prompt sets; print and save the table and plots.
+
+    Args:
+        config: bench YAML.
+        quick: a few prompts and methods (minutes).
+        readme: also rewrite README.md's generated results block with the tables.
+    """
     from decode.bench import run
 
-    run(config, quick=quick)
+    run(config, quick=quick, readme=readme)
 
 
 def main() -> None:

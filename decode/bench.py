@@ -137,7 +137,10 @@ def run_section(pair: Pair, label: str, prompts: list[list[int]], methods: list[
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["target_calls_per_token"] = r["verification_rate"]
-        if r["kind"] != "hf":
+        if r["kind"] == "hf":  # Hugging Face does not report its calls: no figure rather than a wrong one
+            for k in ("discard_rate", "verification_rate", "mean_accepted", "target_calls_per_token"):
+                r[k] = None
+        else:
             r["cost_model_tokens_per_s"] = r["new_tokens"] / max(1e-9, r["draft_calls"] * t_d + r["target_calls"] * t_t)
     rows += random_allocation(rows, shares)
     print(f"\n## {label}: {len(prompts)} prompts, {n} new tokens, t_draft {1e3 * t_d:.2f} ms, "
@@ -146,7 +149,20 @@ def run_section(pair: Pair, label: str, prompts: list[list[int]], methods: list[
     return rows
 
 
-def run(config: str, quick: bool = False) -> list[dict]:
+README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def write_readme(markdown: str, readme: Path = ROOT / "README.md") -> None:
+    """Replace the README's generated block (between the bench markers) with `markdown`."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise ValueError(f"{readme} has no {README_START} ... {README_END} block to fill")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_START}\n{markdown}\n{README_END}{tail}")
+
+
+def run(config: str, quick: bool = False, readme: bool = False) -> list[dict]:
     cfg = yaml.safe_load((ROOT / config if not Path(config).is_absolute() else Path(config)).read_text())
     torch.set_num_threads(cfg.get("threads", 2))
     pair = load_pair(cfg["pair"])
@@ -182,6 +198,8 @@ def run(config: str, quick: bool = False) -> list[dict]:
     for label in dict.fromkeys(r["prompts"] for r in all_rows):
         md += [f"### {label}", table([r for r in all_rows if r["prompts"] == label])]
     (out_dir / "bench.md").write_text("\n\n".join(md) + "\n")
+    if readme:
+        write_readme("\n\n".join(md))
     print(f"\ntable (bench.md), CSV and plots in {out_dir}")
     return all_rows
 

@@ -32,6 +32,7 @@ class Stats:
     t_draft: float = 0.0
     t_target: float = 0.0
     t_head: float = 0.0
+    t_oracle: float = 0.0  # the oracle's off-the-books look-ahead, excluded from wall
     wall: float = 0.0
 
     def add(self, other: Stats) -> None:
@@ -108,19 +109,27 @@ class SpeculativeDecoder:
         stats.draft_calls += 1
         tokens, qs = [], []
         if policy.needs_target_peek:
-            policy.peek = lambda i: self._peek(peek_prefix + tokens[:i]) == tokens[i]
+            def peek(i: int) -> bool:
+                t0 = time.perf_counter()
+                ok = self._peek(peek_prefix + tokens[:i]) == tokens[i]
+                stats.t_oracle += time.perf_counter() - t0
+                return ok
+
+            policy.peek = peek
         while True:
-            q = transform(logits[-1], s)
+            raw = logits[-1]
+            q = transform(raw, s)
             tok = int(sample(q, self.gen))
             tokens.append(tok), qs.append(q)
             prev = hidden[-1]
             # Reading the candidate now drafts the next one and gives the "own" hidden state.
             logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
             stats.draft_calls += 1
-            step = DraftStep(len(tokens) - 1, tok, q, prev, hidden[-1])
+            step = DraftStep(len(tokens) - 1, tok, q, raw.softmax(-1), prev, hidden[-1])
             t0 = time.perf_counter()
+            t_oracle = stats.t_oracle
             stop = policy.stop(step) or len(tokens) >= min(policy.max_len, limit)
-            stats.t_head += time.perf_counter() - t0
+            stats.t_head += time.perf_counter() - t0 - (stats.t_oracle - t_oracle)
             if stop:
                 return tokens, torch.stack(qs)
 
@@ -167,7 +176,7 @@ class SpeculativeDecoder:
                 break
         out = out[:max_new_tokens]
         stats.new_tokens = len(out)
-        stats.wall = time.perf_counter() - t_start
+        stats.wall = time.perf_counter() - t_start - stats.t_oracle
         self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
         return Generation(out, self.pair.tokenizer.decode(out), stats)
 

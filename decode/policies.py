@@ -23,7 +23,9 @@ from heads import FeatureSpec, check_draft, from_pretrained
 class DraftStep:
     index: int  # 0-based position of the candidate in this round
     token: int
-    q: torch.Tensor  # (V,) the draft's distribution the token was drawn from
+    q: torch.Tensor  # (V,) the draft's distribution the token was drawn from (after the sampling transform)
+    probs: torch.Tensor  # (V,) softmax of the raw logits: confidence and entropy rules read this, so they
+    # still work under greedy decoding, where q is one-hot
     hidden_prev: torch.Tensor  # (H,) state that produced q
     hidden_own: torch.Tensor  # (H,) state after reading the token
 
@@ -65,8 +67,10 @@ class HeadPolicy(Policy):
     @torch.no_grad()
     def prob(self, step: DraftStep) -> float:
         hidden = step.hidden_own if self.features.position == "own" else step.hidden_prev
-        x = self.features.build(hidden, L.entropy(step.q), step.q.max(), step.q[step.token])
-        return float(self.head.prob(x))
+        if self.features.extras:
+            p = step.probs
+            hidden = self.features.build(hidden, L.entropy(p), p.max(), p[step.token])
+        return float(self.head.prob(hidden))
 
 
 class SpecDecPP(HeadPolicy):
@@ -114,7 +118,7 @@ class DraftConfidence(Policy):
         self.threshold, self.max_len = threshold, max_len
 
     def stop(self, step):
-        return float(step.q[step.token]) < self.threshold
+        return float(step.probs[step.token]) < self.threshold
 
 
 class AdaEDL(Policy):
@@ -124,7 +128,7 @@ class AdaEDL(Policy):
         self.lam, self.gamma, self.max_len = lam, gamma, max_len
 
     def stop(self, step):
-        return 1.0 - math.sqrt(self.gamma * float(L.entropy(step.q))) < self.lam
+        return 1.0 - math.sqrt(self.gamma * float(L.entropy(step.probs))) < self.lam
 
 
 class Oracle(Policy):

@@ -47,3 +47,15 @@ def test_bench_prints_table_and_writes_csv_and_plots(tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == len(rows)
     for png in ("pareto_pycode_dev.png", "speed_quality_pycode_dev.png"):
         assert (tmp_path / "out" / png).stat().st_size > 5000
+
+
+def test_write_readme_replaces_only_the_generated_block(tmp_path):
+    from decode.bench import README_END, README_START, write_readme
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_START}\nold\n{README_END}\noutro\n")
+    write_readme("| new | table |", readme)
+    assert readme.read_text() == f"intro\n{README_START}\n| new | table |\n{README_END}\noutro\n"
+    readme.write_text("no block")
+    with pytest.raises(ValueError, match="no <!-- bench:start -->"):
+        write_readme("x", readme)

@@ -109,6 +109,8 @@ def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tmp_path):
         cfg["trainer"]["logger"] = False
         cfg["trainer"]["default_root_dir"] = str(tmp_path)
         set_export_name(cfg, "exported")
+        if cfg["data"]["label"]["class_path"].endswith("DivergenceThreshold"):
+            cfg["data"]["label"]["init_args"]["threshold"] = 0.4  # the random tiny pair is far apart
         for cb in cfg["trainer"]["callbacks"]:
             if cb["class_path"].endswith("ExportHead"):
                 cb["init_args"]["directory"] = str(tmp_path)
