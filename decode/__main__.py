@@ -68,23 +68,34 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
           f"{s['t_target_s']:.3f}s head {s['t_head_s']:.3f}s")
 
 
-def bench(config: str = "configs/bench/pycode.yaml", quick: bool = False, readme: bool = False) -> None:
-    """Run every method of a bench config on its prompt sets; print and save the table and plots.
+def bench(argv: list[str]) -> None:
+    """Run every method of a bench config on its prompt sets; print and save the table and plots."""
+    import argparse
 
-    Args:
-        config: bench YAML.
-        quick: a few prompts and methods (minutes).
-        readme: also rewrite README.md's generated results block with the tables.
-    """
     from decode.bench import run
 
-    run(config, quick=quick, readme=readme)
+    ap = argparse.ArgumentParser(prog="python -m decode bench")
+    ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML")
+    ap.add_argument("--quick", type=lambda v: v.lower() in ("1", "true", "yes"), default=False,
+                    help="a few prompts and methods (minutes)")
+    ap.add_argument("--readme", type=lambda v: v.lower() in ("1", "true", "yes"), default=False,
+                    help="also rewrite README.md's generated results block")
+    args = ap.parse_args(argv)
+    run(args.config, quick=args.quick, readme=args.readme)
 
 
 def main() -> None:
+    # bench takes its own --config (the bench YAML), which jsonargparse would read as its own option.
+    if len(sys.argv) > 1 and sys.argv[1] == "bench":
+        return bench(sys.argv[2:])
+    if len(sys.argv) < 2 or sys.argv[1] != "generate":
+        sys.exit("usage: python -m decode {generate,bench} ...  (see python -m decode generate --help)")
     from jsonargparse import CLI
 
-    CLI([generate, bench], as_positional=False)
+    try:
+        CLI(generate, args=sys.argv[2:], as_positional=False)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

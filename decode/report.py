@@ -21,43 +21,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plt():
+def _line_plot(series: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str,
+               title: str, dashed: tuple[str, ...] = ()) -> Path:
+    """One line per named series of (x, y) points, saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name, pts in series.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                linestyle="--" if name in dashed else "-")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def pareto_plot(rows: list[dict], path: Path, title: str) -> Path:
     """Discard rate vs verification rate per family (SpecDec++ Fig. 3): lower-left is better."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for fam in dict.fromkeys(r["family"] for r in rows if r.get("discard_rate") is not None and r["kind"] == "spec"):
-        pts = sorted((r["verification_rate"], r["discard_rate"], r["method"]) for r in rows
-                     if r["family"] == fam and r.get("discard_rate") is not None)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
-    ax.set(xlabel="verification rate (target calls / token)", ylabel="discard rate (discarded / token)", title=title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    series: dict[str, list] = {}
+    for r in rows:
+        if r["kind"] == "spec" and r.get("discard_rate") is not None:
+            series.setdefault(r["family"], []).append((r["verification_rate"], r["discard_rate"]))
+    return _line_plot(series, path, "verification rate (target calls / token)", "discard rate (discarded / token)",
+                      title)
 
 
 def quality_plot(rows: list[dict], path: Path, title: str) -> Path:
-    """Speedup vs target NLL of the output for lossy families and random allocation (FSD Fig. 2)."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for fam in dict.fromkeys(r["family"] for r in rows):
-        pts = sorted((r["speedup"], r["target_nll"]) for r in rows if r["family"] == fam and r.get("target_nll") is not None)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam,
-                    linestyle="--" if fam == "random" else "-")
-    ax.set(xlabel="speedup over target alone", ylabel="target NLL of output (nats/token, lower is better)", title=title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    """Speedup vs target NLL of the output for every family and random allocation (FSD Fig. 2)."""
+    series: dict[str, list] = {}
+    for r in rows:
+        if r.get("target_nll") is not None:
+            series.setdefault(r["family"], []).append((r["speedup"], r["target_nll"]))
+    return _line_plot(series, path, "speedup over target alone", "target NLL of output (nats/token, lower is better)",
+                      title, dashed=("random",))

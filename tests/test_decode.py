@@ -151,3 +151,17 @@ def test_bad_input_errors(tiny_pair, tmp_path):
     (Path(other) / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HeadMismatch, match="config_hash"):
         SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+
+
+def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "decode", "generate", "--pair", str(tiny_pair_yaml), "--prompt", "abc(",
+           "--max_new_tokens", "12", "--policy", "FixedK", "--policy.k", "3", "--rule", "FSD", "--rule.threshold", "0.2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("abc(") and "[FixedK + FSD]" in res.stdout and "verification rate" in res.stdout
+    res = subprocess.run(cmd[:4] + ["--pair", str(tiny_pair_yaml), "--prompt", ""], capture_output=True, text=True)
+    assert res.returncode != 0 and "prompt is empty" in res.stderr
