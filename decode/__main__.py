@@ -35,8 +35,6 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
         seed: seed of every random draw.
         threads: torch CPU threads.
     """
-    import dataclasses
-
     import torch
 
     from decode.engine import Decoder
@@ -45,8 +43,7 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
     torch.set_num_threads(threads)
     p = load_pair(pair)
     if temperature is not None:
-        p = dataclasses.replace(p, config=dataclasses.replace(
-            p.config, sampling=dataclasses.replace(p.config.sampling, temperature=temperature)))
+        p = p.with_sampling(temperature=temperature)
     policy = policy or (SpecDecPP(head, h=0.7) if head else FixedK(4))
     dec = Decoder(p, policy, rule or SpeculativeSampling(), seed=seed)
     ids = p.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -23,6 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from decode.engine import Autoregressive, Decoder, Stats
+from decode.hf import hf_generate
 from decode.pair import Pair, load_pair
 from decode.quality import quality
 from decode.report import pareto_plot, quality_plot, table
@@ -65,31 +66,6 @@ def expand(raw: dict) -> list[Method]:
     return out
 
 
-def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int) -> tuple[list[int], Stats]:
-    """Hugging Face generate, assisted (hf: {'k': K} or {'confidence': c}) or not; sampling as the pair."""
-    s = pair.config.sampling
-    kwargs = dict(max_new_tokens=n, min_new_tokens=0, pad_token_id=pair.tokenizer.eos_token_id,
-                  do_sample=s.temperature > 0)
-    if s.temperature > 0:
-        kwargs |= dict(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
-    if hf:
-        if pair.draft.config.vocab_size != pair.target.config.vocab_size:
-            raise ValueError(f"Hugging Face assisted generation needs equal embedding sizes, got draft "
-                             f"{pair.draft.config.vocab_size} and target {pair.target.config.vocab_size}: "
-                             "drop the kind: hf methods from the bench config for this pair")
-        gc = pair.draft.generation_config
-        gc.num_assistant_tokens = hf.get("k", 20)
-        gc.num_assistant_tokens_schedule = "constant"
-        gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
-        kwargs["assistant_model"] = pair.draft
-    torch.manual_seed(seed)
-    x = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
-    st = Stats(new_tokens=len(out), wall=time.perf_counter() - t0)
-    return out, st
-
-
 def run_method(pair: Pair, m: Method, prompts: list[list[int]], n: int, seed: int) -> tuple[Stats, list[list[int]]]:
     total, outs = Stats(), []
     for i, ids in enumerate(prompts):
@@ -111,15 +87,6 @@ def cost_fit(rows: list[dict]) -> tuple[float, float]:
     b = np.array([r["wall_s"] for r in rows if r["kind"] != "hf"])
     (t_d, t_t), *_ = np.linalg.lstsq(a, b, rcond=None)
     return float(t_d), float(t_t)
-
-
-def with_temperature(pair: Pair, temperature: float | None) -> Pair:
-    if temperature is None:
-        return pair
-    import dataclasses
-
-    sampling = dataclasses.replace(pair.config.sampling, temperature=temperature)
-    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, sampling=sampling))
 
 
 def run_section(pair: Pair, label: str, prompts: list[list[int]], methods: list[Method], n: int, seed: int,
@@ -182,7 +149,8 @@ def run(config: str, quick: bool = False, readme: bool = False) -> list[dict]:
             if quick:
                 methods = [m for m in methods if m.kind in ("target", "draft") or m.name in cfg.get("quick_methods", [])]
             label = f"{ps.name}/{ps.split}" + (f" {sec['name']}" if sec["name"] else "")
-            rows = run_section(with_temperature(pair, sec.get("temperature")), label, prompts, methods, n, seed,
+            sec_pair = pair if sec.get("temperature") is None else pair.with_sampling(temperature=sec["temperature"])
+            rows = run_section(sec_pair, label, prompts, methods, n, seed,
                                cfg.get("random_shares", [0.25, 0.5, 0.75]))
             stem = f"{ps.name}_{ps.split}" + (f"_{sec['name']}" if sec["name"] else "")
             pareto_plot(rows, out_dir / f"pareto_{stem}.png", label)

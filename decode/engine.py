@@ -87,7 +87,7 @@ def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int) -> None
 
 
 class SpeculativeDecoder:
-    """generate(prompt_ids) with a policy and a rule; stats accumulate in self.stats."""
+    """generate(prompt_ids) with a policy and a rule; each call returns its own stats."""
 
     def __init__(self, pair: Pair, policy: Policy, rule: Rule, seed: int = 0):
         self.pair, self.policy, self.rule = pair, policy, rule
@@ -125,7 +125,7 @@ class SpeculativeDecoder:
             # Reading the candidate now drafts the next one and gives the "own" hidden state.
             logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
             stats.draft_calls += 1
-            step = DraftStep(len(tokens) - 1, tok, q, raw.softmax(-1), prev, hidden[-1])
+            step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1])
             t0 = time.perf_counter()
             t_oracle = stats.t_oracle
             stop = policy.stop(step) or len(tokens) >= min(policy.max_len, limit)

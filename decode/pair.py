@@ -6,6 +6,7 @@ fails in a second with a message naming both sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -113,6 +114,11 @@ class Pair:
     target: torch.nn.Module
     tokenizer: object
     vocab: int
+
+    def with_sampling(self, **changes) -> Pair:
+        """The same loaded models under other sampling settings (e.g. temperature=0 for greedy)."""
+        sampling = dataclasses.replace(self.config.sampling, **changes)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, sampling=sampling))
 
     def logits(self, model_logits: torch.Tensor) -> torch.Tensor:
         """(..., V_model) -> (..., V): drop padded embedding rows beyond the tokenizer."""

@@ -18,6 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from decode.hf import hf_generate
 from decode.labels import expected_acceptance
 from decode.pair import Pair, load_pair
 
@@ -60,19 +61,11 @@ def heldout_figures(pair: Pair, texts: list[str], window: int = 256, windows: in
 
 def time_generate(pair: Pair, prompts: list[str], new_tokens: int, k: int | None) -> tuple[float, int]:
     """Seconds and new tokens for greedy generation over prompts; k=None is the target alone."""
-    tok, total_s, total_n = pair.tokenizer, 0.0, 0
-    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.eos_token_id)
-    if k is not None:
-        gc = pair.draft.generation_config
-        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = k, "constant"
-        gc.assistant_confidence_threshold = 0.0  # no dynamic stopping: a true constant K
-        kwargs["assistant_model"] = pair.draft
-    for prompt in prompts:
-        x = tok(prompt, return_tensors="pt")
-        t0 = time.perf_counter()
-        out = pair.target.generate(**x, **kwargs)
-        total_s += time.perf_counter() - t0
-        total_n += out.shape[1] - x["input_ids"].shape[1]
+    greedy, total_s, total_n = pair.with_sampling(temperature=0), 0.0, 0
+    for i, prompt in enumerate(prompts):
+        ids = pair.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        out, st = hf_generate(greedy, ids, new_tokens, {} if k is None else {"k": k}, seed=i)
+        total_s, total_n = total_s + st.wall, total_n + len(out)
     return total_s, total_n
 
 

@@ -9,6 +9,7 @@ hidden states (H,) before and after reading it. Every policy is also capped by m
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +25,15 @@ class DraftStep:
     index: int  # 0-based position of the candidate in this round
     token: int
     q: torch.Tensor  # (V,) the draft's distribution the token was drawn from (after the sampling transform)
-    probs: torch.Tensor  # (V,) softmax of the raw logits: confidence and entropy rules read this, so they
-    # still work under greedy decoding, where q is one-hot
+    logits: torch.Tensor  # (V,) the draft's raw logits behind q
     hidden_prev: torch.Tensor  # (H,) state that produced q
     hidden_own: torch.Tensor  # (H,) state after reading the token
+
+    @functools.cached_property
+    def probs(self) -> torch.Tensor:
+        """(V,) softmax of the raw logits, computed only for policies that ask. Confidence and entropy
+        rules read this rather than q, so they still work under greedy decoding, where q is one-hot."""
+        return self.logits.softmax(-1)
 
 
 class Policy:

@@ -1,11 +1,8 @@
-import dataclasses
-
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from decode.engine import Autoregressive, SpeculativeDecoder
-from decode.pair import Sampling
 from decode.policies import FixedK, Oracle, SpecDecPP, SprinterVerifier
 from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck
 from decode.sampling import transform
@@ -13,10 +10,6 @@ from heads import AcceptanceHead, HeadMismatch, LinearVerifier, save_pretrained
 
 PROMPTS = [[1 + (i * 3 + j) % 20 for j in range(2 + i % 4)] for i in range(12)]
 ALPHA = 1e-3  # false-alarm rate of each statistical test
-
-
-def with_sampling(pair, **kw):
-    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, sampling=Sampling(**kw)))
 
 
 def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", **kw):
@@ -31,7 +24,7 @@ def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", n
 
 @pytest.fixture(scope="module")
 def greedy_pair(tiny_pair):
-    return with_sampling(tiny_pair, temperature=0)
+    return tiny_pair.with_sampling(temperature=0)
 
 
 def test_greedy_paths_equal_target_greedy_token_for_token(greedy_pair, tmp_path):
@@ -84,7 +77,7 @@ class BrokenResample(SpeculativeSampling):
 
 @pytest.mark.slow
 def test_speculative_sampling_is_lossless_and_a_broken_resample_is_caught(tiny_pair, tmp_path):
-    pair = with_sampling(tiny_pair, temperature=1.0)
+    pair = tiny_pair.with_sampling(temperature=1.0)
     prompt = [3, 7]
     law = exact_two_token_law(pair, prompt)
     head = export_head(tmp_path, pair, depth=2)

@@ -8,6 +8,7 @@ fresh clone. Features come from the cached draft hidden states, or live from the
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -80,13 +81,9 @@ class LabelData(L.LightningDataModule):
     @property
     def feature_dim(self) -> int:
         """Input size of the head: the draft's hidden size (from the pair) plus the extras."""
-        import yaml
-
         from decode.pair import PairConfig
 
-        pair = PairConfig.from_yaml(yaml.safe_load(resolve(self.build_config).read_text())["data"]["pair"])
-        import json
-
+        pair = PairConfig.from_yaml(yaml_pair(self.build_config))
         hidden = json.loads((Path(pair.draft.resolved()) / "config.json").read_text())
         size = hidden.get("hidden_size", hidden.get("n_embd"))
         return self.features.dim(size)
@@ -137,6 +134,7 @@ class LabelData(L.LightningDataModule):
 
 
 def yaml_pair(build_config: str) -> str:
+    """The pair YAML named by a data_gen config."""
     import yaml
 
     return yaml.safe_load(resolve(build_config).read_text())["data"]["pair"]
