@@ -2,6 +2,11 @@
 
     python -m data_gen --config configs/data_gen/pycode.yaml
     python -m data_gen --config configs/data_gen/pycode.yaml --trainer.devices 2 --trainer.strategy ddp
+    python -m data_gen --config configs/data_gen/pycode.yaml --settings '[{temperature: 0}]'
+
+Each sampling setting of `settings` (default: the pair's own) is labelled into its own folder
+<data.output>/<setting name> (greedy, t1, t0.7-p0.95, ...), the setting recorded in its metadata:
+a head is trained for one setting and decodes only under it.
 
 Runs as Lightning Trainer.predict (data_gen.module), writes Arrow shards (data_gen.store),
 resumes where a killed run stopped, and closes with a summary per split.
@@ -16,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from data_gen.module import Labeller, PromptData, ShardWriter
 from data_gen.store import load_split, shard_dirs
+from decode.pair import PairConfig, Sampling
 
 JS_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
 GAMMAS = (1.0, 1.2, 1.5)
@@ -25,6 +31,13 @@ class LabelCLI(LightningCLI):
     def add_arguments_to_parser(self, parser):
         parser.link_arguments("data.pair", "model.pair")
         parser.link_arguments("data.max_new_tokens", "model.max_new_tokens")
+        parser.add_argument("--settings", type=list[Sampling] | None, default=None,
+                            help="sampling settings to label, each into <data.output>/<name> (default: the pair's)")
+
+
+def settings_of(cli) -> list[Sampling]:
+    """The sampling settings a run labels: --settings, else the pair's own."""
+    return cli.config.get("settings") or [PairConfig.from_yaml(cli.datamodule.pair).sampling]
 
 
 def summarize(output: Path, splits: list[str]) -> list[str]:
@@ -51,12 +64,21 @@ def main(args=None) -> None:
         trainer_defaults={"logger": False, "enable_checkpointing": False, "use_distributed_sampler": False,
                           "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter()]},
     )
-    cli.trainer.predict(cli.model, datamodule=cli.datamodule, return_predictions=False)
-    cli.trainer.strategy.barrier()
+    base = cli.datamodule.output_dir
+    for setting in settings_of(cli):
+        setting = Sampling.of(vars(setting) if not isinstance(setting, dict) else setting)
+        cli.model.sampling, cli.datamodule.output = setting, str(base / setting.name)
+        cli.trainer.predict(cli.model, datamodule=cli.datamodule, return_predictions=False)
+        cli.trainer.strategy.barrier()
+        report(cli)
+
+
+def report(cli) -> None:
+    """Closing summary of one setting's label folder (rank 0 only)."""
     if cli.trainer.is_global_zero:
         data = cli.datamodule
         c = data.counts
-        print(f"\nlabel set: {data.output_dir}")
+        print(f"\nlabel set: {data.output_dir} (sampling {cli.model.pair.config.sampling})")
         print(f"prompts {c['prompts']}: {c['empty_skipped']} empty skipped, {c['truncated']} truncated to their "
               f"last tokens, {c['already_done']} already labelled (resumed)")
         splits = sorted({i["split"] for i in data.items} | {p.name for p in data.output_dir.iterdir() if p.is_dir()})

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from data_gen.generate import KINDS, Mixing, label_batch
 from data_gen.prompts import PromptSet
 from data_gen.store import claim_output, clean_partial, code_version, done_ids, lock_output, write_shard
-from decode.pair import PairConfig, load_pair, load_tokenizers
+from decode.pair import PairConfig, Sampling, load_pair, load_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,8 @@ class PromptData(L.LightningDataModule):
                              f"max_context={cfg.max_context} of pair {cfg.name}")
         if self.trainer is None or self.trainer.global_rank == 0:
             # Rank 0 holds the folder's lock for the whole run; other ranks are part of the same run.
+            if getattr(self, "_lock", None) is not None:
+                self._lock.close()  # the previous setting's folder is finished
             self._lock = lock_output(self.output_dir)
             clean_partial(self.output_dir)
         done = done_ids(self.output_dir)
@@ -86,9 +88,11 @@ class Labeller(L.LightningModule):
     """Runs data_gen.generate.label_batch on each batch; the pair is loaded in setup, frozen."""
 
     def __init__(self, pair: str = "configs/pairs/pycode.yaml", mixing: Mixing | None = None, seed: int = 0,
-                 max_new_tokens: int = 96, cache_features: bool = True, threads: int = 0):
+                 max_new_tokens: int = 96, cache_features: bool = True, threads: int = 0,
+                 sampling: Sampling | None = None):
+        """sampling: the setting responses and labels are made under (None: the pair's own)."""
         super().__init__()
-        self.pair_path, self.mixing, self.seed = pair, mixing or Mixing(), seed
+        self.pair_path, self.mixing, self.seed, self.sampling = pair, mixing or Mixing(), seed, sampling
         self.max_new_tokens, self.cache_features, self.threads = max_new_tokens, cache_features, threads
         self.pair = None
 
@@ -96,6 +100,8 @@ class Labeller(L.LightningModule):
         if self.threads:
             torch.set_num_threads(self.threads)
         self.pair = load_pair(self.pair_path)
+        if self.sampling is not None:
+            self.pair = self.pair.with_sampling(**vars(self.sampling))
         claim_output(self.trainer.datamodule.output_dir, self.identity())
 
     def identity(self) -> dict:

@@ -15,13 +15,28 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from decode.policies import FixedK, Policy, SpecDecPP  # noqa: E402
+from decode.policies import FixedK, HeadPolicy, Policy, SpecDecPP  # noqa: E402
 from decode.rules import Rule, SpeculativeSampling  # noqa: E402
+
+
+class BadOption(ValueError):
+    """A command-line number outside its range."""
+
+
+def check_range(name: str, value: float, low: float | None = None, high: float | None = None,
+                low_open: bool = False) -> None:
+    """Raise BadOption naming the option when value is outside [low, high] ((low, high] if low_open)."""
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high):
+        lo = "" if low is None else ("> " if low_open else ">= ") + f"{low:g}"
+        hi = "" if high is None else f"<= {high:g}"
+        raise BadOption(f"--{name} must be {' and '.join(x for x in (lo, hi) if x)}, got {value:g}")
 
 
 def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | None = None,
              policy: Policy | None = None, rule: Rule | None = None, max_new_tokens: int = 64,
-             temperature: float | None = None, seed: int = 0, threads: int = 2) -> None:
+             temperature: float | None = None, top_p: float | None = None, seed: int = 0, threads: int = 2,
+             allow_sampling_mismatch: bool = False) -> None:
     """Stream the continuation of `prompt`, then print the round metrics.
 
     Args:
@@ -32,9 +47,17 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
         rule: verification rule (default SpeculativeSampling, lossless).
         max_new_tokens: at most this many new tokens.
         temperature: override the pair's sampling temperature (0 = greedy).
+        top_p: override the pair's top-p (nucleus) mass, in (0, 1].
         seed: seed of every random draw.
         threads: torch CPU threads.
+        allow_sampling_mismatch: use a head trained under another sampling setting (warns).
     """
+    check_range("max_new_tokens", max_new_tokens, low=1)
+    check_range("threads", threads, low=1)
+    if temperature is not None:
+        check_range("temperature", temperature, low=0.0)
+    if top_p is not None:
+        check_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
     import torch
 
     from decode.engine import Decoder
@@ -42,9 +65,11 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
 
     torch.set_num_threads(threads)
     p = load_pair(pair)
-    if temperature is not None:
-        p = p.with_sampling(temperature=temperature)
+    overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+    p = p.with_sampling(**overrides) if overrides else p
     policy = policy or (SpecDecPP(head, h=0.7) if head else FixedK(4))
+    if allow_sampling_mismatch and isinstance(policy, HeadPolicy):
+        policy.allow_sampling_mismatch = True
     dec = Decoder(p, policy, rule or SpeculativeSampling(), seed=seed)
     ids = p.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     sys.stdout.write(prompt)
@@ -87,12 +112,25 @@ def main() -> None:
         return bench(sys.argv[2:])
     if len(sys.argv) < 2 or sys.argv[1] != "generate":
         sys.exit("usage: python -m decode {generate,bench} ...  (see python -m decode generate --help)")
-    from jsonargparse import CLI
+    from jsonargparse import CLI, ArgumentError
 
     try:
-        CLI(generate, args=sys.argv[2:], as_positional=False)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
-        sys.exit(f"error: {e}")
+        CLI(generate, args=sys.argv[2:], as_positional=False, exit_on_error=False)
+    except ArgumentError as e:  # jsonargparse tried each type of a Union: keep the reason that is ours
+        sys.exit(fail(one_line(str(e))))
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback, exit 2 as argparse does
+        sys.exit(fail(one_line(str(e))))
+
+
+def one_line(message: str) -> str:
+    """The informative line of a jsonargparse error (the first '- reason' not about NoneType)."""
+    reasons = [ln.strip()[2:] for ln in message.splitlines() if ln.strip().startswith("- ") and "NoneType" not in ln]
+    return reasons[0] if reasons else " ".join(ln.strip() for ln in message.splitlines())
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ class SpeculativeDecoder:
         self.pair, self.policy, self.rule = pair, policy, rule
         self.gen = torch.Generator().manual_seed(seed)
         if isinstance(policy, HeadPolicy):
-            policy.bind(pair.identity("draft"))
+            policy.bind(pair.identity("draft"), pair.config.sampling)
 
     def _timed(self, which: str, stats: Stats, fn, *args):
         t0 = time.perf_counter()

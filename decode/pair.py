@@ -32,6 +32,20 @@ class Sampling:
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"invalid sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
 
+    @property
+    def name(self) -> str:
+        """Short name of the setting, used for label folders and head names: greedy, t1, t0.7-p0.95, t1-k50."""
+        if self.temperature == 0:
+            return "greedy"  # top-k and top-p do not change an argmax
+        name = f"t{self.temperature:g}"
+        name += f"-k{self.top_k}" if self.top_k else ""
+        return name + (f"-p{self.top_p:g}" if self.top_p < 1 else "")
+
+    @classmethod
+    def of(cls, raw: dict | Sampling) -> Sampling:
+        """A Sampling from a dict of its fields (as recorded in metadata and head configs)."""
+        return raw if isinstance(raw, Sampling) else cls(**{k: raw[k] for k in ("temperature", "top_k", "top_p") if k in raw})
+
 
 @dataclass
 class ModelSpec:

@@ -10,13 +10,17 @@ hidden states (H,) before and after reading it. Every policy is also capped by m
 from __future__ import annotations
 
 import functools
+import json
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from decode import labels as L
+from decode.pair import Sampling
 from heads import FeatureSpec, check_draft, from_pretrained
 
 
@@ -47,28 +51,82 @@ class Policy:
         raise NotImplementedError
 
 
+def check_unit(name: str, value: float, open_ends: bool = False) -> None:
+    """Raise ValueError naming the argument unless value is in [0, 1] ((0, 1) with open_ends)."""
+    ok = 0 < value < 1 if open_ends else 0 <= value <= 1
+    if not ok:
+        raise ValueError(f"{name} must lie in {'(0, 1)' if open_ends else '[0, 1]'}, got {value:g}")
+
+
+def check_max_len(max_len: int) -> int:
+    if not 1 <= max_len <= 64:
+        raise ValueError(f"max_len must be in 1..64, got {max_len}")
+    return max_len
+
+
 class FixedK(Policy):
     """Draft exactly k candidates per round (classic speculative decoding)."""
 
     def __init__(self, k: int = 4):
         if not 1 <= k <= 64:
-            raise ValueError(f"k must be in 1..64, got {k}")
+            raise ValueError(f"k must be in 1..64, got {k} (K < 1 drafts nothing)")
         self.k = self.max_len = k
 
     def stop(self, step):
         return step.index + 1 >= self.k
 
 
-class HeadPolicy(Policy):
-    """Base of policies driven by an exported head; checks it was trained for this draft."""
+class SamplingMismatch(ValueError):
+    """A head was trained for another sampling setting than the decoder's: it predicts another event."""
 
-    def __init__(self, head_dir: str):
+
+def matching_heads(head_dir: str, setting: str) -> list[str]:
+    """Sibling head folders of the same type trained for `setting` (to suggest the right one)."""
+    here, out = Path(head_dir), []
+    for cfg_path in sorted(here.resolve().parent.glob("*/config.json")):
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError:
+            continue
+        if "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
+                cfg.get("head_type") == from_pretrained_type(head_dir) and cfg_path.parent != here.resolve():
+            out.append(str(here.parent / cfg_path.parent.name))
+    return out
+
+
+def from_pretrained_type(head_dir: str) -> str | None:
+    try:
+        return json.loads((Path(head_dir) / "config.json").read_text()).get("head_type")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class HeadPolicy(Policy):
+    """Base of policies driven by an exported head; checks it was trained for this draft and setting.
+
+    allow_sampling_mismatch: use a head trained under another sampling setting anyway (warns).
+    """
+
+    def __init__(self, head_dir: str, allow_sampling_mismatch: bool = False):
         self.head, self.config = from_pretrained(head_dir)
         self.features = FeatureSpec(**self.config["features"])
-        self.head_dir = head_dir
+        self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
 
-    def bind(self, draft_identity: dict) -> None:
+    def bind(self, draft_identity: dict, sampling: Sampling | None = None) -> None:
         check_draft(self.config, draft_identity, where=f"head {self.head_dir}")
+        if sampling is None or "sampling" not in self.config:
+            return
+        trained, used = Sampling.of(self.config["sampling"]).name, sampling.name
+        if trained == used:
+            return
+        others = matching_heads(self.head_dir, used)
+        hint = f"use {others[0]}" if others else \
+            f"train one with --data.sampling '{{temperature: {sampling.temperature}, top_k: {sampling.top_k}, top_p: {sampling.top_p}}}'"
+        msg = (f"head {self.head_dir} was trained for sampling {trained} but the decoder samples {used}: "
+               f"{hint}, or pass allow_sampling_mismatch to use it anyway")
+        if not self.allow_sampling_mismatch:
+            raise SamplingMismatch(msg)
+        warnings.warn(msg.split(": ")[0] + ": its probabilities describe another acceptance event", stacklevel=2)
 
     @torch.no_grad()
     def prob(self, step: DraftStep) -> float:
@@ -87,11 +145,10 @@ class SpecDecPP(HeadPolicy):
     step per round (the pass after the last candidate). A "prev" head decides with no extra pass.
     """
 
-    def __init__(self, head_dir: str, h: float = 0.7, max_len: int = 20):
-        super().__init__(head_dir)
-        if not 0 < h < 1:
-            raise ValueError(f"h must lie in (0, 1), got {h}")
-        self.h, self.max_len = h, max_len
+    def __init__(self, head_dir: str, h: float = 0.7, max_len: int = 20, allow_sampling_mismatch: bool = False):
+        super().__init__(head_dir, allow_sampling_mismatch)
+        check_unit("h", h, open_ends=True)
+        self.h, self.max_len = h, check_max_len(max_len)
         self.survive = 1.0
 
     def reset(self):
@@ -109,9 +166,10 @@ class SprinterVerifier(HeadPolicy):
     rejects, and only that token is checked by the target.
     """
 
-    def __init__(self, head_dir: str, eta: float = 0.5, max_len: int = 20):
-        super().__init__(head_dir)
-        self.eta, self.max_len = eta, max_len
+    def __init__(self, head_dir: str, eta: float = 0.5, max_len: int = 20, allow_sampling_mismatch: bool = False):
+        super().__init__(head_dir, allow_sampling_mismatch)
+        check_unit("eta", eta)
+        self.eta, self.max_len = eta, check_max_len(max_len)
 
     def stop(self, step):
         return self.prob(step) < self.eta
@@ -121,7 +179,8 @@ class DraftConfidence(Policy):
     """Hugging Face's assistant_confidence_threshold rule: stop when q(token) < threshold."""
 
     def __init__(self, threshold: float = 0.4, max_len: int = 20):
-        self.threshold, self.max_len = threshold, max_len
+        check_unit("threshold", threshold)
+        self.threshold, self.max_len = threshold, check_max_len(max_len)
 
     def stop(self, step):
         return float(step.probs[step.token]) < self.threshold
@@ -131,7 +190,10 @@ class AdaEDL(Policy):
     """AdaEDL: stop when the entropy lower bound on acceptance 1 - sqrt(gamma * H(q)) < lam."""
 
     def __init__(self, lam: float = 0.5, gamma: float = 0.6, max_len: int = 20):
-        self.lam, self.gamma, self.max_len = lam, gamma, max_len
+        check_unit("lam", lam)
+        if gamma <= 0:
+            raise ValueError(f"gamma must be > 0, got {gamma:g}")
+        self.lam, self.gamma, self.max_len = lam, gamma, check_max_len(max_len)
 
     def stop(self, step):
         return 1.0 - math.sqrt(self.gamma * float(L.entropy(step.probs))) < self.lam
@@ -147,7 +209,7 @@ class Oracle(Policy):
     needs_target_peek = True
 
     def __init__(self, max_len: int = 20):
-        self.max_len = max_len
+        self.max_len = check_max_len(max_len)
         self.peek: Callable[[int], bool] | None = None
 
     def stop(self, step):

@@ -61,6 +61,9 @@ class FSD(Rule):
     """
 
     def __init__(self, divergence: str = "js", threshold: float = 0.1, relaxed: bool = False):
+        if threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {threshold:g}")
+        L.divergence(divergence, torch.ones(1), torch.ones(1))  # unknown names fail here, not mid-generation
         self.divergence, self.threshold, self.relaxed = divergence, threshold, relaxed
 
     def verify(self, tokens, q, p, gen):
@@ -87,6 +90,8 @@ class FLy(Rule):
     """
 
     def __init__(self, theta: float = 0.3, window: int = 6):
+        if not 0 <= theta <= 1 or window < 0:
+            raise ValueError(f"FLy needs theta in [0, 1] and window >= 0, got theta={theta:g}, window={window}")
         self.theta, self.window = theta, window
 
     def verify(self, tokens, q, p, gen):

@@ -85,8 +85,8 @@ def test_cli_counts_bad_prompts_and_refuses_other_settings(tmp_path, tiny_pair_y
     res = run_cli(cfg)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 empty skipped, 1 truncated" in res.stdout
-    assert len(load_split(tmp_path / "labels", "jsonl_train")) == 7
-    assert len(load_features(tmp_path / "labels", "jsonl_train")) == 7
+    assert len(load_split(tmp_path / "labels" / "t1", "jsonl_train")) == 7
+    assert len(load_features(tmp_path / "labels" / "t1", "jsonl_train")) == 7
     res = run_cli(cfg, "--model.seed", "5")
     assert res.returncode != 0 and LabelSetMismatch.__name__ in res.stderr and "seed" in res.stderr
 
@@ -96,9 +96,9 @@ def test_two_ddp_processes_label_every_prompt_once(tmp_path, tiny_pair_yaml):
     cfg = write_config(tmp_path, tiny_pair_yaml, 9)
     res = run_cli(cfg, "--trainer.devices", "2", "--trainer.strategy", "ddp")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    ids = load_split(tmp_path / "labels", "jsonl_train")["id"]
+    ids = load_split(tmp_path / "labels" / "t1", "jsonl_train")["id"]
     assert len(ids) == len(set(ids)) == 10  # 9 + the truncated one; the empty one is skipped
-    shards = list((tmp_path / "labels" / "jsonl_train").iterdir())
+    shards = list((tmp_path / "labels" / "t1" / "jsonl_train").iterdir())
     assert {s.name[:2] for s in shards} == {"r0", "r1"}  # both ranks wrote
 
 
@@ -106,7 +106,7 @@ def test_two_ddp_processes_label_every_prompt_once(tmp_path, tiny_pair_yaml):
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, tiny_pair_yaml):
     cfg = write_config(tmp_path, tiny_pair_yaml, 60, batch_size=1, max_new_tokens=24)
     proc = run_cli(cfg, wait=False)
-    out = tmp_path / "labels"
+    out = tmp_path / "labels" / "t1"
     deadline = time.time() + 240
     while time.time() < deadline and len(done_ids(out)) < 3:
         time.sleep(0.2)
@@ -137,3 +137,30 @@ def test_second_writer_is_refused(tmp_path):
         holder.kill()
         holder.wait()
     lock_output(tmp_path)  # free again once the holder is gone
+
+
+@pytest.mark.slow
+def test_each_sampling_setting_gets_its_own_labels_and_greedy_labels_are_argmax_agreement(tmp_path, tiny_pair_yaml):
+    from data_gen.store import metadata
+    from decode.pair import load_pair
+
+    cfg = write_config(tmp_path, tiny_pair_yaml, 6)
+    res = run_cli(cfg, "--settings", "[{temperature: 0}, {temperature: 0.7, top_p: 0.95}]")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    greedy, warm = tmp_path / "labels" / "greedy", tmp_path / "labels" / "t0.7-p0.95"
+    assert metadata(greedy)["sampling"]["temperature"] == 0
+    assert metadata(warm)["sampling"] == {"temperature": 0.7, "top_k": 0, "top_p": 0.95}
+    pair = load_pair(tiny_pair_yaml)
+    n_labels = 0
+    for row in load_split(greedy, "jsonl_train"):
+        alpha = torch.tensor(row["alpha"])
+        assert set(alpha.tolist()) <= {0.0, 1.0}  # under greedy, p and q are one-hot
+        with torch.no_grad():  # the target's argmax after the mixed prefix z_<i the head reads
+            logits = pair.target(torch.tensor([row["prompt_ids"] + row["z"]])).logits[0]
+        n = len(row["prompt_ids"])
+        best = pair.logits(logits[n - 1 : n - 1 + len(row["z"])]).argmax(-1)
+        assert torch.equal(alpha.bool(), torch.tensor(row["candidate"]) == best)
+        n_labels += len(alpha)
+    assert n_labels > 20
+    warm_alpha = torch.tensor([a for r in load_split(warm, "jsonl_train")["alpha"] for a in r])
+    assert ((warm_alpha > 0) & (warm_alpha < 1)).any()  # soft labels away from greedy

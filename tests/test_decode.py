@@ -3,7 +3,7 @@ import torch
 from scipy.stats import chisquare
 
 from decode.engine import Autoregressive, SpeculativeDecoder
-from decode.policies import FixedK, Oracle, SpecDecPP, SprinterVerifier
+from decode.policies import FixedK, Oracle, SamplingMismatch, SpecDecPP, SprinterVerifier
 from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck
 from decode.sampling import transform
 from heads import AcceptanceHead, HeadMismatch, LinearVerifier, save_pretrained
@@ -12,14 +12,15 @@ PROMPTS = [[1 + (i * 3 + j) % 20 for j in range(2 + i % 4)] for i in range(12)]
 ALPHA = 1e-3  # false-alarm rate of each statistical test
 
 
-def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", **kw):
+def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", sampling=None, **kw):
     head = cls(pair.draft.config.hidden_size, **kw)
     if bias is not None:
         with torch.no_grad():
             head.out.weight.zero_()
             head.out.bias.fill_(bias)
-    return str(save_pretrained(head, tmp_path / name, {"draft": pair.identity("draft"),
-                                                        "features": {"position": position, "extras": []}}))
+    meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": []},
+            "sampling": vars(sampling or pair.config.sampling)}
+    return str(save_pretrained(head, tmp_path / name, meta))
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +159,48 @@ def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
     assert res.stdout.startswith("abc(") and "[FixedK + FSD]" in res.stdout and "verification rate" in res.stdout
     res = subprocess.run(cmd[:4] + ["--pair", str(tiny_pair_yaml), "--prompt", ""], capture_output=True, text=True)
     assert res.returncode != 0 and "prompt is empty" in res.stderr
+
+
+def test_head_of_another_sampling_setting_is_refused_or_warned(tiny_pair, tmp_path):
+    greedy = tiny_pair.with_sampling(temperature=0)
+    t1_head = export_head(tmp_path, tiny_pair, name="specdecpp")  # trained for t1
+    with pytest.raises(SamplingMismatch, match="trained for sampling t1 but the decoder samples greedy.*train one"):
+        SpeculativeDecoder(greedy, SpecDecPP(t1_head), SpeculativeSampling())
+    export_head(tmp_path, greedy, name="specdecpp-greedy")  # the matching head is named in the error
+    with pytest.raises(SamplingMismatch, match="use .*specdecpp-greedy"):
+        SpeculativeDecoder(greedy, SpecDecPP(t1_head), SpeculativeSampling())
+    with pytest.warns(UserWarning, match="another acceptance event"):
+        dec = SpeculativeDecoder(greedy, SpecDecPP(t1_head, allow_sampling_mismatch=True), SpeculativeSampling())
+    assert len(dec.generate(PROMPTS[0], 6).tokens) == 6
+    SpeculativeDecoder(tiny_pair, SpecDecPP(t1_head), SpeculativeSampling())  # same setting: accepted
+
+
+def run_generate(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "decode", "generate", *args], capture_output=True, text=True,
+                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--max_new_tokens", "-3"], "max_new_tokens"), (["--max_new_tokens", "0"], "max_new_tokens"),
+    (["--temperature", "-0.5"], "temperature"), (["--top_p", "0"], "top_p"), (["--top_p", "1.5"], "top_p"),
+    (["--policy", "FixedK", "--policy.k", "0"], "k must"), (["--rule", "FSD", "--rule.threshold", "-1"], "threshold"),
+])
+def test_cli_rejects_out_of_range_numbers_with_one_line(tiny_pair_yaml, args, option):
+    res = run_generate("--pair", str(tiny_pair_yaml), "--prompt", "abc(", *args)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and option in lines[0]
+
+
+def test_cli_refuses_head_of_other_setting_and_flag_allows_it(tiny_pair, tiny_pair_yaml, tmp_path):
+    head = export_head(tmp_path, tiny_pair, name="t1head")
+    base = ["--pair", str(tiny_pair_yaml), "--prompt", "abc(", "--head", head, "--temperature", "0", "--max_new_tokens", "4"]
+    res = run_generate(*base)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "trained for sampling t1 but the decoder samples greedy" in res.stderr
+    res = run_generate(*base, "--allow_sampling_mismatch", "true")
+    assert res.returncode == 0 and "another acceptance event" in res.stderr

@@ -137,3 +137,17 @@ def test_sweep_grid_parsing_and_paths():
     assert cfg["model"]["head"]["init_args"]["depth"] == 3
     with pytest.raises(ValueError, match="path=v1,v2"):
         parse_set(["model.lr"])
+
+
+def test_label_folder_and_head_name_follow_the_sampling_setting(tiny_labels):
+    from decode.pair import Sampling
+    from train.data import LabelData
+
+    base = yaml.safe_load(tiny_labels.read_text())["data"]["output"]
+    own = LabelData(labels=base, build_config=str(tiny_labels))
+    assert own.folder.name == "t1" and own.head_suffix == ""  # the pair's own setting keeps the plain name
+    greedy = LabelData(labels=base, build_config=str(tiny_labels), sampling=Sampling(temperature=0))
+    assert greedy.folder.name == "greedy" and greedy.head_suffix == "-greedy"
+    warm = LabelData(labels=base, build_config=str(tiny_labels), sampling=Sampling(temperature=0.7, top_p=0.95))
+    assert warm.head_suffix == "-t0.7-p0.95"
+    assert own.meta()["sampling"]["temperature"] == 1.0  # recorded from the label set, read back by decode

@@ -59,7 +59,8 @@ def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int
     from data_gen.store import claim_output, write_shard
     from decode.pair import load_pair
 
-    pair, out = load_pair(pair_yaml), root / "labels"
+    pair = load_pair(pair_yaml)
+    out = root / "labels" / pair.config.sampling.name
     claim_output(out, {"pair": "tiny", "pair_hash": pair.config.hash(), "draft": pair.identity("draft"),
                        "target": pair.identity("target"), "sampling": vars(pair.config.sampling), "seed": 0,
                        "mixing": {"r": 0.15}, "max_new_tokens": max_new})
@@ -69,5 +70,5 @@ def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int
         recs, feats = label_batch(pair, prompts, [f"{split}{i}" for i in range(n)], kinds, Mixing(), 0, max_new)
         write_shard(out, split, recs, feats, rank=0)
     cfg = root / "data_gen.yaml"
-    cfg.write_text(yaml.safe_dump({"data": {"pair": str(pair_yaml), "output": str(out), "max_new_tokens": max_new}}))
+    cfg.write_text(yaml.safe_dump({"data": {"pair": str(pair_yaml), "output": str(out.parent), "max_new_tokens": max_new}}))
     return cfg

@@ -1,6 +1,6 @@
 """Head costs: training throughput on cached features, and forward cost per decoding step.
 
-    python -m train.bench --pair configs/pairs/pycode.yaml --labels data/pycode
+    python -m train.bench --pair configs/pairs/pycode.yaml --labels data/pycode/t1
 
 Prints labelled tokens/s of head training (cached features, batch 512), and the time of one
 head forward at batch 1 as a share of one draft decoding step (goal: under 2%).
@@ -24,7 +24,7 @@ from train.labels import weighted_bce
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="configs/pairs/pycode.yaml")
-    ap.add_argument("--labels", default="data/pycode")
+    ap.add_argument("--labels", default="data/pycode/t1")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from data_gen.store import load_features, load_split, metadata
+from decode.pair import Sampling
 from heads.features import FeatureSpec
 from train.labels import LabelFamily, SoftAcceptance
 
@@ -69,9 +70,12 @@ class LabelData(L.LightningDataModule):
 
     def __init__(self, labels: str = "data/pycode", build_config: str = "configs/data_gen/pycode.yaml",
                  label: LabelFamily | None = None, features: FeatureSpec | None = None, train_split: str = "train",
-                 val_split: str = "dev", batch_size: int = 512, feature_source: str = "cache", seed: int = 0):
+                 val_split: str = "dev", batch_size: int = 512, feature_source: str = "cache", seed: int = 0,
+                 sampling: Sampling | None = None):
+        """labels: the label set's base folder; the records are read from <labels>/<sampling name>.
+        sampling: the setting the head is trained for and will decode under (None: the pair's own)."""
         super().__init__()
-        self.labels, self.build_config = labels, build_config
+        self.labels, self.build_config, self.sampling = labels, build_config, sampling
         self.label, self.features = label or SoftAcceptance(), features or FeatureSpec()
         self.train_split, self.val_split, self.batch_size = train_split, val_split, batch_size
         self.feature_source, self.seed = feature_source, seed
@@ -93,17 +97,39 @@ class LabelData(L.LightningDataModule):
         """The label family object, linked to the model (which needs its loss weights)."""
         return self.label
 
+    @property
+    def setting(self) -> Sampling:
+        """The sampling setting of the labels (and so of the head)."""
+        from decode.pair import PairConfig
+
+        return self.sampling or PairConfig.from_yaml(yaml_pair(self.build_config)).sampling
+
+    @property
+    def head_suffix(self) -> str:
+        """'' for the pair's own setting, else '-<setting name>' (checkpoints/specdecpp-greedy)."""
+        from decode.pair import PairConfig
+
+        own = PairConfig.from_yaml(yaml_pair(self.build_config)).sampling
+        return "" if self.setting.name == own.name else f"-{self.setting.name}"
+
+    @property
+    def folder(self) -> Path:
+        return resolve(self.labels) / self.setting.name
+
     def prepare_data(self) -> None:
-        out = resolve(self.labels)
+        out = self.folder
         if (out / "metadata.json").exists() and (out / self.val_split).exists():
             return
-        cmd = [sys.executable, "-m", "data_gen", "--config", str(resolve(self.build_config)), "--data.output", str(out)]
+        s = self.setting
+        cmd = [sys.executable, "-m", "data_gen", "--config", str(resolve(self.build_config)),
+               "--data.output", str(resolve(self.labels)),
+               "--settings", f"[{{temperature: {s.temperature}, top_k: {s.top_k}, top_p: {s.top_p}}}]"]
         log.warning("label set %s is missing: building it with `%s`", out, " ".join(cmd))
         print(f"label set {out} missing; building it: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
 
     def split_tensors(self, split: str) -> tuple[TensorDataset, dict[str, torch.Tensor]]:
-        out = resolve(self.labels)
+        out = self.folder
         ds = load_split(out, split)
         if self.feature_source == "cache":
             feats = load_features(out, split)
@@ -121,8 +147,8 @@ class LabelData(L.LightningDataModule):
 
     def meta(self) -> dict:
         """What the exported head records about its data."""
-        m = metadata(resolve(self.labels))
-        return {"labels": self.labels, "label": self.label.meta(), "features": self.features.to_dict(),
+        m = metadata(self.folder)
+        return {"labels": str(Path(self.labels) / self.setting.name), "label": self.label.meta(), "features": self.features.to_dict(),
                 "draft": m["draft"], "target": m["target"], "sampling": m["sampling"], "pair": m["pair"]}
 
     def train_dataloader(self) -> DataLoader:

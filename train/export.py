@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ExportHead(Callback):
-    """Writes checkpoints/<name>/ (model.safetensors, config.json, roc.png) and prints the path."""
+    """Writes checkpoints/<name>/ (model.safetensors, config.json, roc.png) and prints the path.
+
+    A head trained for another sampling setting than the pair's own is exported as <name>-<setting>
+    (checkpoints/specdecpp-greedy), so heads of different settings never overwrite each other.
+    """
 
     def __init__(self, name: str = "specdecpp", directory: str = "checkpoints"):
         self.name, self.directory = name, directory
@@ -45,11 +49,12 @@ class ExportHead(Callback):
         meta = data.meta() | {"metrics": metrics, "recommended_threshold": youden_threshold(p, e),
                               "train": dict(pl_module.hparams)}
         out = Path(self.directory)
-        out = (out if out.is_absolute() else ROOT / out) / self.name
+        name = self.name + data.head_suffix
+        out = (out if out.is_absolute() else ROOT / out) / name
         save_pretrained(head, out, meta)
         conf = data.columns[data.val_split]["q_cand"].numpy()
-        plot_rocs([(self.name, p, e), ("draft confidence q(x)", conf, e)], out / "roc.png",
-                  f"{self.name} on {data.labels}:{data.val_split}")
+        plot_rocs([(name, p, e), ("draft confidence q(x)", conf, e)], out / "roc.png",
+                  f"{name} on {data.labels}:{data.val_split}")
         print(f"\nexported head -> {out}\n{data.val_split}: AUROC {metrics['auroc']:.4f} "
               f"(draft confidence {metrics['draft_confidence_auroc']:.4f}), binary KL {metrics['binary_kl']:.4f}, "
               f"Brier {metrics['brier']:.4f}, positions {metrics['positions']}", flush=True)

@@ -65,10 +65,11 @@ def plot_rocs(curves: list[tuple[str, np.ndarray, np.ndarray]], path: Path, titl
 
 
 @torch.no_grad()
-def score_head(head_dir: str, labels: str, split: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+def score_head(head_dir: str, labels: str | None, split: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """(name, head prob, event, draft confidence) over the positions the head was trained for."""
     head, cfg = from_pretrained(head_dir)
     spec = FeatureSpec(**cfg["features"])
+    labels = labels or cfg["labels"]  # by default the label set (and sampling setting) the head was trained on
     ds = load_split(resolve(labels), split)
     x, cols = flatten(ds, load_features(resolve(labels), split), spec)
     event = family_from_meta(cfg["label"]).event(cols, seed=0).numpy()
@@ -78,7 +79,7 @@ def score_head(head_dir: str, labels: str, split: str) -> tuple[str, np.ndarray,
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m train roc", description=__doc__.splitlines()[0])
     ap.add_argument("--heads", nargs="+", required=True, help="exported head folders")
-    ap.add_argument("--labels", default="data/pycode")
+    ap.add_argument("--labels", default=None, help="label folder (default: the first head's own)")
     ap.add_argument("--split", default="dev")
     ap.add_argument("--out", default="runs/roc.png")
     ap.add_argument("--thresholds", nargs="+", type=float, default=[0.3, 0.5, 0.7])
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"draft confidence vs {name} labels", conf, event))
     name0, _, event0, conf0 = score_head(args.heads[0], args.labels, args.split)
     curves.append((f"draft confidence q(x) ({name0} labels)", conf0, event0))
-    out = plot_rocs(curves, resolve(args.out), f"ROC on {args.labels}:{args.split}")
+    out = plot_rocs(curves, resolve(args.out), f"ROC on {args.labels or from_pretrained(args.heads[0])[1]['labels']}:{args.split}")
     head = "| scorer | positions | positive rate | AUC | " + " | ".join(f"TPR/FPR @{t}" for t in args.thresholds) + " |"
     print(head + "\n|" + "---|" * (head.count("|") - 1))
     for name, prob, event in rows:
