@@ -14,13 +14,17 @@ resumes where a killed run stopped, and closes with a summary per split.
 
 from __future__ import annotations
 
+import shlex
+import signal
+import sys
 from pathlib import Path
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 
 from data_gen.module import Labeller, PromptData, ShardWriter
-from data_gen.store import load_split, shard_dirs
+from data_gen.store import done_ids, load_split, shard_dirs
 from decode.pair import PairConfig, Sampling
 
 JS_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
@@ -58,17 +62,68 @@ def summarize(output: Path, splits: list[str]) -> list[str]:
     return lines
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived: stop labelling now (BaseException, so nothing on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopOnSignal(Callback):
+    """Turns SIGTERM/SIGINT into Interrupted during predict, on every rank.
+
+    Installed at predict start, after Lightning's own SIGTERM handler (which only sets a flag that
+    the predict loop never reads). Shards are written atomically, so stopping anywhere keeps every
+    finished shard and drops the one in flight; a resumed run skips what was kept.
+    """
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        def handler(signum, frame):
+            launcher = trainer.strategy.launcher
+            if launcher is not None and trainer.is_global_zero:
+                launcher.kill(signum)  # DDP ranks started by this process stop the same way
+            raise Interrupted(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+
+def stop_message(cli, stop: Interrupted) -> str:
+    """What was kept and how to resume, after an interruption."""
+    data = cli.datamodule
+    kept = len(done_ids(data.output_dir)) if data.output_dir.exists() else 0
+    cmd = "python -m data_gen " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return (f"\ninterrupted by {stop}: {kept} prompts are labelled in {data.output_dir} (every finished shard kept, "
+            f"the one in flight dropped); the lock is released. Resume with:\n  {cmd}")
+
+
 def main(args=None) -> None:
+    try:
+        run(args)
+    except Interrupted as stop:
+        sys.exit(128 + stop.signum)
+
+
+def run(args=None) -> None:
     cli = LabelCLI(
         Labeller, PromptData, run=False, args=args, save_config_callback=None,
         trainer_defaults={"logger": False, "enable_checkpointing": False, "use_distributed_sampler": False,
-                          "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter()]},
+                          "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter(), StopOnSignal()]},
     )
     base = cli.datamodule.output_dir
     for setting in settings_of(cli):
         setting = Sampling.of(vars(setting) if not isinstance(setting, dict) else setting)
         cli.model.sampling, cli.datamodule.output = setting, str(base / setting.name)
-        cli.trainer.predict(cli.model, datamodule=cli.datamodule, return_predictions=False)
+        try:
+            cli.trainer.predict(cli.model, datamodule=cli.datamodule, return_predictions=False)
+        except Interrupted as stop:
+            lock = getattr(cli.datamodule, "_lock", None)
+            if lock is not None:
+                lock.close()  # released now, not at exit
+            print(f"[rank {cli.trainer.global_rank}]" * (cli.trainer.world_size > 1) + stop_message(cli, stop),
+                  flush=True)
+            raise
         cli.trainer.strategy.barrier()
         report(cli)
 

@@ -13,7 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from data_gen.generate import Mixing, label_batch, left_pad, prompt_generator, sample_responses
+from data_gen.generate import Mixing, RowNoise, label_batch, left_pad, prompt_generator, sample_responses
 from data_gen.prompts import PromptSet
 from decode.pair import load_pair
 
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def generate_only(chunk):
         ids, mask = left_pad([c[1] for c in chunk], pair.tokenizer.eos_token_id)
-        _, lengths = sample_responses(pair, ids, mask, [prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens)
+        noise = RowNoise.response_only([prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens, pair.vocab)
+        _, lengths = sample_responses(pair, ids, mask, noise, args.max_new_tokens)
         return int(lengths.sum())
 
     def label(chunk):

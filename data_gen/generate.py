@@ -53,11 +53,39 @@ def prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-def gumbel_sample(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-    """(B, V) probabilities, one generator per row -> (B,) exact samples via the Gumbel-max trick."""
-    u = torch.stack([torch.rand(probs.shape[-1], generator=g) for g in gens])
-    gumbel = -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
-    return (probs.clamp_min(0).log() + gumbel).argmax(-1)
+@dataclass
+class RowNoise:
+    """Every random number a batch needs, drawn per row from that row's generator in a fixed order.
+
+    Drawing a row's numbers in three calls up front (instead of two calls per position) keeps a
+    record independent of its batch while the per-position work stays one tensor op per batch.
+    """
+
+    response: torch.Tensor  # (B, N, V) Gumbel noise for the target's response tokens
+    candidate: torch.Tensor  # (B, N, V) Gumbel noise for the draft's candidates
+    mix: torch.Tensor  # (B, N) uniforms for the token-mixing coin
+
+    @classmethod
+    def draw(cls, gens: list[torch.Generator], n: int, vocab: int) -> RowNoise:
+        rows = [(torch.rand(n, vocab, generator=g), torch.rand(n, vocab, generator=g), torch.rand(n, generator=g))
+                for g in gens]
+        resp, cand, mix = (torch.stack(parts) for parts in zip(*rows))
+        return cls(gumbel(resp), gumbel(cand), mix)
+
+    @staticmethod
+    def response_only(gens: list[torch.Generator], n: int, vocab: int) -> torch.Tensor:
+        """(B, N, V) the same response noise as draw(), without the draws only labelling needs."""
+        return gumbel(torch.stack([torch.rand(n, vocab, generator=g) for g in gens]))
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms -> standard Gumbel noise (clamped so that no value is infinite)."""
+    return -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
+
+
+def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B, V) Gumbel noise -> (B,) exact samples (the Gumbel-max trick)."""
+    return (probs.clamp_min(0).log() + noise).argmax(-1)
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +105,7 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_responses(pair: Pair, ids, mask, gens, max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) left-padded prompts -> (B, N) responses and (B,) lengths (EOS included, nothing after)."""
     eos, s = pair.tokenizer.eos_token_id, pair.config.sampling
     B = ids.shape[0]
@@ -88,7 +116,7 @@ def sample_responses(pair: Pair, ids, mask, gens, max_new: int) -> tuple[torch.T
     cache = logits.past_key_values
     for t in range(max_new):
         probs = transform(pair.logits(logits.logits[:, -1]), s)
-        tok = gumbel_sample(probs, gens)
+        tok = gumbel_argmax(probs, noise[:, t])
         tok = torch.where(done, torch.full_like(tok, eos), tok)
         out[:, t] = tok
         newly = (tok == eos) & ~done
@@ -104,7 +132,7 @@ def sample_responses(pair: Pair, ids, mask, gens, max_new: int) -> tuple[torch.T
 
 
 @torch.no_grad()
-def draft_walk(pair: Pair, ids, mask, y, ratios, gens):
+def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
     """Draft pass over the response with candidates and mixing.
 
     (B, T) prompts, (B, N) responses, (B,) r per row -> dict of (B, N) candidate, z, from_target,
@@ -116,8 +144,8 @@ def draft_walk(pair: Pair, ids, mask, y, ratios, gens):
     hidden, qs, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], []
     for t in range(N):
         q = transform(pair.logits(out.logits[:, -1]), s)
-        c = gumbel_sample(q, gens)
-        from_target = torch.stack([torch.rand((), generator=g) < r for g, r in zip(gens, ratios)])
+        c = gumbel_argmax(q, noise.candidate[:, t])
+        from_target = noise.mix[:, t] < ratios
         z = torch.where(from_target, y[:, t], c)
         qs.append(q), cands.append(c), zs.append(z), froms.append(from_target)
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
@@ -134,10 +162,10 @@ def draft_walk(pair: Pair, ids, mask, y, ratios, gens):
 def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: list[str], mixing: Mixing,
                 seed: int, max_new: int) -> tuple[list[dict], list[torch.Tensor]]:
     """Token-id prompts -> one record per prompt and its (n_i + 1, H) float16 draft hidden states."""
-    gens = [prompt_generator(seed, pid) for pid in ids]
+    noise = RowNoise.draw([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
     x, mask = left_pad(prompts, pair.tokenizer.eos_token_id)
-    y, lengths = sample_responses(pair, x, mask, gens, max_new)
-    walk = draft_walk(pair, x, mask, y, [mixing.ratio(k) for k in kinds], gens)
+    y, lengths = sample_responses(pair, x, mask, noise.response, max_new)
+    walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise)
     full_mask = torch.cat([mask, torch.ones_like(walk["z"])], dim=1)
     seq = torch.cat([x, walk["z"]], dim=1)
     logits = pair.target(seq, attention_mask=full_mask, position_ids=positions(full_mask)).logits
@@ -145,12 +173,11 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
     p = transform(pair.logits(logits[:, T - 1 : -1]), pair.config.sampling)
     stats = position_stats(p, walk["q"], walk["candidate"])
     records, feats = [], []
+    rows = {"y": y, "z": walk["z"], "candidate": walk["candidate"], "from_target": walk["from_target"]} | stats
+    rows = {k: v.tolist() for k, v in rows.items()}  # one conversion per column, not per record
     for b in range(len(prompts)):
         n = 1 if kinds[b] == "prompt" else int(lengths[b])
-        rec = {"id": ids[b], "kind": kinds[b], "prompt_ids": prompts[b], "y": y[b, :n].tolist(),
-               "z": walk["z"][b, :n].tolist(), "candidate": walk["candidate"][b, :n].tolist(),
-               "from_target": walk["from_target"][b, :n].tolist()}
-        rec |= {k: v[b, :n].tolist() for k, v in stats.items()}
+        rec = {"id": ids[b], "kind": kinds[b], "prompt_ids": prompts[b]} | {k: v[b][:n] for k, v in rows.items()}
         records.append(rec)
         feats.append(walk["hidden"][b, : n + 1].to(torch.float16).contiguous())
     return records, feats

@@ -77,6 +77,7 @@ class PromptSet:
     limit: int | None = None
     seed: int = 0
     path: str | None = None  # for name 'jsonl': a file of {"id": ..., "prompt": ...} lines
+    skip: int = 0  # drop this many after the shuffle first (disjoint dev/test cuts of one split)
 
     def load(self) -> datasets.Dataset:
         """A Dataset with columns id, source, prompt."""
@@ -96,8 +97,9 @@ class PromptSet:
                 [{"id": str(r.get("id", i)), "source": self.path, "prompt": r["prompt"]} for i, r in enumerate(rows)])
         else:
             raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'humaneval' or 'jsonl'")
-        if self.limit is not None:
-            ds = ds.shuffle(seed=self.seed).select(range(min(self.limit, len(ds))))
+        if self.limit is not None or self.skip:
+            stop = len(ds) if self.limit is None else min(len(ds), self.skip + self.limit)
+            ds = ds.shuffle(seed=self.seed).select(range(min(self.skip, stop), stop))
         return ds
 
 

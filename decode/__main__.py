@@ -36,7 +36,7 @@ def check_range(name: str, value: float, low: float | None = None, high: float |
 def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | None = None,
              policy: Policy | None = None, rule: Rule | None = None, max_new_tokens: int = 64,
              temperature: float | None = None, top_p: float | None = None, seed: int = 0, threads: int = 2,
-             allow_sampling_mismatch: bool = False) -> None:
+             allow_sampling_mismatch: bool = False, profile: bool = False) -> None:
     """Stream the continuation of `prompt`, then print the round metrics.
 
     Args:
@@ -51,6 +51,7 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
         seed: seed of every random draw.
         threads: torch CPU threads.
         allow_sampling_mismatch: use a head trained under another sampling setting (warns).
+        profile: also print where the time went (forwards, head, sampling, rule, bookkeeping).
     """
     check_range("max_new_tokens", max_new_tokens, low=1)
     check_range("threads", threads, low=1)
@@ -88,6 +89,8 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
           f"discard rate {s['discard_rate']:.3f}, verification rate {s['verification_rate']:.3f}, "
           f"mean accepted {s['mean_accepted']:.2f}; time draft {s['t_draft_s']:.3f}s target "
           f"{s['t_target_s']:.3f}s head {s['t_head_s']:.3f}s")
+    if profile:
+        print(f"profile: {out.stats.profile()}")
 
 
 def bench(argv: list[str]) -> None:
@@ -102,8 +105,11 @@ def bench(argv: list[str]) -> None:
                     help="a few prompts and methods (minutes)")
     ap.add_argument("--readme", type=lambda v: v.lower() in ("1", "true", "yes"), default=False,
                     help="also rewrite README.md's generated results block")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of every method per prompt (default: the YAML's)")
     args = ap.parse_args(argv)
-    run(args.config, quick=args.quick, readme=args.readme)
+    if args.repeats is not None and args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats)
 
 
 def main() -> None:

@@ -29,9 +29,12 @@ class Stats:
     discarded: int = 0
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
+    calls: list[tuple[str, int]] = field(default_factory=list)  # (model, tokens fed) per forward: the cost model's log
     t_draft: float = 0.0
     t_target: float = 0.0
     t_head: float = 0.0
+    t_sample: float = 0.0  # the draft's sampling transform and draws
+    t_rule: float = 0.0  # the target's sampling transform and the verification rule
     t_oracle: float = 0.0  # the oracle's off-the-books look-ahead, excluded from wall
     wall: float = 0.0
 
@@ -45,7 +48,18 @@ class Stats:
                 "discard_rate": self.discarded / n, "verification_rate": self.target_calls / n,
                 "mean_accepted": sum(self.accepted) / max(1, len(self.accepted)),
                 "target_calls": self.target_calls, "draft_calls": self.draft_calls, "wall_s": self.wall,
-                "t_draft_s": self.t_draft, "t_target_s": self.t_target, "t_head_s": self.t_head}
+                "t_draft_s": self.t_draft, "t_target_s": self.t_target, "t_head_s": self.t_head,
+                "t_sample_s": self.t_sample, "t_rule_s": self.t_rule,
+                "t_other_s": max(0.0, self.wall - self.t_draft - self.t_target - self.t_head - self.t_sample - self.t_rule)}
+
+    def profile(self) -> str:
+        """Where the wall time went, as shares: forwards, head, sampling, rule, bookkeeping."""
+        s, wall = self.summary(), max(self.wall, 1e-9)
+        parts = [("draft forward", s["t_draft_s"]), ("target forward", s["t_target_s"]), ("head", s["t_head_s"]),
+                 ("draft sampling", s["t_sample_s"]), ("rule", s["t_rule_s"]), ("bookkeeping", s["t_other_s"])]
+        overhead = wall - s["t_draft_s"] - s["t_target_s"]
+        return (", ".join(f"{name} {100 * t / wall:.1f}%" for name, t in parts)
+                + f"; engine overhead (wall minus model forwards) {100 * overhead / wall:.1f}% of {wall:.3f} s")
 
 
 @dataclass
@@ -58,18 +72,23 @@ class Generation:
 
 
 class Runner:
-    """One model with its KV cache; feed() appends tokens, crop() rolls the cache back."""
+    """One model with its KV cache; feed() appends tokens, crop() rolls the cache back.
 
-    def __init__(self, model, pair: Pair):
-        self.model, self.pair, self.cache, self.length = model, pair, None, 0
+    hidden: also return last-layer hidden states (only a head policy's draft needs them).
+    """
+
+    def __init__(self, model, pair: Pair, hidden: bool = False, name: str = "target"):
+        self.model, self.pair, self.cache, self.length, self.hidden = model, pair, None, 0, hidden
+        self.name, self.calls = name, []
 
     @torch.no_grad()
-    def feed(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """k new tokens -> (k, V) logits and (k, H) last-layer hidden states."""
+    def feed(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k new tokens -> (k, V) logits and (k, H) last-layer hidden states (None unless hidden)."""
         x = torch.tensor([tokens])
-        out = self.model(x, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        out = self.model(x, past_key_values=self.cache, use_cache=True, output_hidden_states=self.hidden)
         self.cache, self.length = out.past_key_values, self.length + len(tokens)
-        return self.pair.logits(out.logits[0]), out.hidden_states[-1][0]
+        self.calls.append((self.name, len(tokens)))
+        return self.pair.logits(out.logits[0]), out.hidden_states[-1][0] if self.hidden else None
 
     def crop(self, length: int) -> None:
         if length < self.length:
@@ -101,37 +120,51 @@ class SpeculativeDecoder:
         setattr(stats, which, getattr(stats, which) + time.perf_counter() - t0)
         return out
 
-    def _draft_round(self, draft: Runner, pending: int, stats: Stats, peek_prefix: list[int], limit: int):
-        """Draft candidates until the policy stops or `limit` is reached -> tokens, (k, V) q."""
+    def _draft_round(self, draft: Runner, seq: list[int], stats: Stats, limit: int):
+        """Draft candidates after seq (committed text + pending token) until the policy stops or
+        `limit` is reached -> tokens, (k, V) q.
+
+        The draft first reads what of seq it has not read yet (the pending token, and the last
+        candidate of the previous round when that round accepted everything). A candidate is read
+        only to draft the next one, or before the stop decision when the policy needs the state
+        after it ("own" heads); so a plain policy costs k draft calls for k candidates, not k + 1.
+        """
         s, policy = self.pair.config.sampling, self.policy
         policy.reset()
-        logits, hidden = self._timed("t_draft", stats, draft.feed, [pending])
+        logits, hidden = self._timed("t_draft", stats, draft.feed, seq[draft.length:])
         stats.draft_calls += 1
         tokens, qs = [], []
         if policy.needs_target_peek:
             def peek(i: int) -> bool:
                 t0 = time.perf_counter()
-                ok = self._peek(peek_prefix + tokens[:i]) == tokens[i]
+                ok = self._peek(seq + tokens[:i]) == tokens[i]
                 stats.t_oracle += time.perf_counter() - t0
                 return ok
 
             policy.peek = peek
+        own = policy.reads_own_state
         while True:
+            t0 = time.perf_counter()
             raw = logits[-1]
             q = transform(raw, s)
             tok = int(sample(q, self.gen))
+            stats.t_sample += time.perf_counter() - t0
             tokens.append(tok), qs.append(q)
-            prev = hidden[-1]
-            # Reading the candidate now drafts the next one and gives the "own" hidden state.
-            logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
-            stats.draft_calls += 1
-            step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1])
-            t0 = time.perf_counter()
-            t_oracle = stats.t_oracle
-            stop = policy.stop(step) or len(tokens) >= min(policy.max_len, limit)
+            if len(tokens) >= min(policy.max_len, limit):
+                return tokens, torch.stack(qs)
+            prev = hidden[-1] if hidden is not None else None
+            if own:  # the decision reads the state after the candidate: read it first
+                logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
+                stats.draft_calls += 1
+            step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1] if own else None)
+            t0, t_oracle = time.perf_counter(), stats.t_oracle
+            stop = policy.stop(step)
             stats.t_head += time.perf_counter() - t0 - (stats.t_oracle - t_oracle)
             if stop:
                 return tokens, torch.stack(qs)
+            if not own:
+                logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
+                stats.draft_calls += 1
 
     @torch.no_grad()
     def _peek(self, prefix: list[int]) -> int:
@@ -145,7 +178,8 @@ class SpeculativeDecoder:
         """
         check_prompt(self.pair, prompt_ids, max_new_tokens)
         stats, eos, s = Stats(), self.pair.tokenizer.eos_token_id, self.pair.config.sampling
-        draft, target = Runner(self.pair.draft, self.pair), Runner(self.pair.target, self.pair)
+        draft = Runner(self.pair.draft, self.pair, hidden=self.policy.needs_hidden, name="draft")
+        target = Runner(self.pair.target, self.pair)
         t_start = time.perf_counter()
         if len(prompt_ids) > 1:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1])
@@ -154,11 +188,12 @@ class SpeculativeDecoder:
         while len(out) < max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).
             limit = max(1, min(max_new_tokens - len(out), self.pair.config.max_context - len(committed) - 2))
-            tokens, q = self._draft_round(draft, pending, stats, committed + [pending], limit)
+            tokens, q = self._draft_round(draft, committed + [pending], stats, limit)
             logits, _ = self._timed("t_target", stats, target.feed, [pending] + tokens)
             stats.target_calls += 1
-            p = transform(logits, s)
-            n_acc, nxt = self.rule.verify(torch.tensor(tokens), q, p, self.gen)
+            t0 = time.perf_counter()
+            n_acc, nxt = self.rule.verify(torch.tensor(tokens), q, transform(logits, s), self.gen)
+            stats.t_rule += time.perf_counter() - t0
             stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + len(tokens)
             stats.discarded += len(tokens) - n_acc
             stats.accepted.append(n_acc)
@@ -177,6 +212,7 @@ class SpeculativeDecoder:
         out = out[:max_new_tokens]
         stats.new_tokens = len(out)
         stats.wall = time.perf_counter() - t_start - stats.t_oracle
+        stats.calls = draft.calls + target.calls
         self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
         return Generation(out, self.pair.tokenizer.decode(out), stats)
 
@@ -192,7 +228,7 @@ class Autoregressive:
         """Prompt token ids -> new tokens, text and stats, one target (or draft) call per token."""
         check_prompt(self.pair, prompt_ids, max_new_tokens)
         stats, eos = Stats(), self.pair.tokenizer.eos_token_id
-        runner = Runner(getattr(self.pair, self.which), self.pair)
+        runner = Runner(getattr(self.pair, self.which), self.pair, name=self.which)
         slot = "t_target" if self.which == "target" else "t_draft"
         t0 = time.perf_counter()
         logits, _ = runner.feed(prompt_ids)
@@ -211,7 +247,7 @@ class Autoregressive:
             stats.target_calls = len(out)
         else:
             stats.draft_calls = len(out)
-        stats.new_tokens, stats.wall = len(out), time.perf_counter() - t0
+        stats.new_tokens, stats.wall, stats.calls = len(out), time.perf_counter() - t0, runner.calls
         return Generation(out, self.pair.tokenizer.decode(out), stats)
 
 

@@ -86,20 +86,31 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor) -> dict[str, torch.Tensor]:
-    """(..., V) p, (..., V) q, (...) draft candidates -> dict of (...) per-position quantities."""
+    """(..., V) p, (..., V) q, (...) draft candidates -> dict of (...) per-position quantities.
+
+    The same values as kl, js, tv, entropy and expected_acceptance above, with the shared terms
+    (p log p, q log q, the logs of p, q and their mixture) computed once per position.
+    """
     p_c = p.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
     q_c = q.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
+    plogp, qlogq = torch.xlogy(p, p), torch.xlogy(q, q)
+    m = 0.5 * (p + q)
+    h_p, h_q = -plogp.sum(-1), -qlogq.sum(-1)
+    js_val = 0.5 * (torch.xlogy(p, m).sum(-1).neg() - h_p) + 0.5 * (torch.xlogy(q, m).sum(-1).neg() - h_q)
+    tv_val = (0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0)
+    kl_pq = (-h_p - torch.xlogy(p, q).sum(-1)).nan_to_num(nan=math.inf, posinf=math.inf)
+    kl_qp = (-h_q - torch.xlogy(q, p).sum(-1)).nan_to_num(nan=math.inf, posinf=math.inf)
     return {
         "p_cand": p_c,
         "q_cand": q_c,
         "alpha": accept_prob(p_c, q_c),
         "ratio_qp": sprinter_ratio(p_c, q_c),
-        "kl": kl(p, q),
-        "kl_qp": kl(q, p),
-        "js": js(p, q),
-        "tv": tv(p, q),
-        "expected_accept": expected_acceptance(p, q),
-        "target_entropy": entropy(p),
-        "draft_entropy": entropy(q),
+        "kl": kl_pq,
+        "kl_qp": kl_qp,
+        "js": js_val.clamp(0.0, LN2),
+        "tv": tv_val,
+        "expected_accept": torch.minimum(p, q).sum(-1),
+        "target_entropy": h_p,
+        "draft_entropy": h_q,
         "draft_top1": q.max(-1).values,
     }

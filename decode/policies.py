@@ -30,8 +30,8 @@ class DraftStep:
     token: int
     q: torch.Tensor  # (V,) the draft's distribution the token was drawn from (after the sampling transform)
     logits: torch.Tensor  # (V,) the draft's raw logits behind q
-    hidden_prev: torch.Tensor  # (H,) state that produced q
-    hidden_own: torch.Tensor  # (H,) state after reading the token
+    hidden_prev: torch.Tensor | None  # (H,) state that produced q (None unless the policy needs_hidden)
+    hidden_own: torch.Tensor | None  # (H,) state after reading the token (None unless reads_own_state)
 
     @functools.cached_property
     def probs(self) -> torch.Tensor:
@@ -43,6 +43,8 @@ class DraftStep:
 class Policy:
     max_len: int = 20
     needs_target_peek = False
+    needs_hidden = False  # the engine asks the draft for hidden states only when True
+    reads_own_state = False  # stop() needs the state after reading the candidate (one more draft pass)
 
     def reset(self) -> None:
         pass
@@ -107,9 +109,12 @@ class HeadPolicy(Policy):
     allow_sampling_mismatch: use a head trained under another sampling setting anyway (warns).
     """
 
+    needs_hidden = True
+
     def __init__(self, head_dir: str, allow_sampling_mismatch: bool = False):
         self.head, self.config = from_pretrained(head_dir)
         self.features = FeatureSpec(**self.config["features"])
+        self.reads_own_state = self.features.position == "own"
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
 
     def bind(self, draft_identity: dict, sampling: Sampling | None = None) -> None:

@@ -6,7 +6,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS", "2")))  # 1 beside a training run
 
 
 @pytest.fixture(scope="session")

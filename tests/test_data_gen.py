@@ -164,3 +164,28 @@ def test_each_sampling_setting_gets_its_own_labels_and_greedy_labels_are_argmax_
     assert n_labels > 20
     warm_alpha = torch.tensor([a for r in load_split(warm, "jsonl_train")["alpha"] for a in r])
     assert ((warm_alpha > 0) & (warm_alpha < 1)).any()  # soft labels away from greedy
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_the_resume_loses_and_repeats_nothing(tmp_path, tiny_pair_yaml):
+    from data_gen.store import lock_output
+
+    cfg = write_config(tmp_path, tiny_pair_yaml, 60, batch_size=1, max_new_tokens=24)
+    proc = run_cli(cfg, wait=False)
+    out = tmp_path / "labels" / "t1"
+    deadline = time.time() + 240
+    while time.time() < deadline and len(done_ids(out)) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    text, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 30 and proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    kept = len(done_ids(out))
+    assert 3 <= kept < 61, "the run must be stopped part-way"
+    assert f"interrupted by SIGTERM: {kept} prompts are labelled" in text and "Resume with:" in text
+    lock_output(out).close()  # the lock was released
+    res = run_cli(cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"{kept} already labelled" in res.stdout
+    ids = load_split(out, "jsonl_train")["id"]
+    assert len(ids) == len(set(ids)) == 61

@@ -89,3 +89,18 @@ def test_sampling_transform():
     assert (nucleus[0, :2] > 0).all() and (nucleus[0, 2:] == 0).all()
     hot = transform(logits, Sampling(temperature=0.5))
     assert hot[0, 0] > transform(logits, Sampling())[0, 0]
+
+
+def test_one_pass_position_stats_equal_the_separate_functions():
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(4, 7, 50, generator=g) * 3, -1)
+    q = torch.softmax(torch.randn(4, 7, 50, generator=g) * 3, -1)
+    q[0, 0, :25] = 0  # q = 0 where p > 0: KL(p || q) is infinite
+    q[0, 0] /= q[0, 0].sum()
+    cand = torch.randint(0, 50, (4, 7), generator=g)
+    st = L.position_stats(p, q, cand)
+    for name, ref in (("kl", L.kl(p, q)), ("kl_qp", L.kl(q, p)), ("js", L.js(p, q)), ("tv", L.tv(p, q)),
+                      ("expected_accept", L.expected_acceptance(p, q)), ("target_entropy", L.entropy(p)),
+                      ("draft_entropy", L.entropy(q))):
+        assert torch.allclose(st[name], ref, atol=1e-5, equal_nan=False), name
+    assert st["kl"][0, 0] == float("inf")
