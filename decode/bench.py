@@ -1,20 +1,25 @@
-"""Every method on the same prompts in one process: a table, a CSV and plots.
+"""Every method on the same prompts, interleaved, with paired speedups, intervals and a measured cost model.
 
-    python -m decode bench --config configs/bench/pycode.yaml [--quick true]
+    python -m decode bench --config configs/bench/pycode.yaml [--quick true] [--repeats 2] [--readme true]
 
-Methods are listed in the YAML as a policy and a rule by class_path (with optional grids over
-one init argument), plus the baselines: target alone, draft alone, Hugging Face assisted
-generation at constant K and with its dynamic confidence threshold, and FSD's random
-allocation (each prompt to the draft with share s, derived from the two baselines' runs).
+For each prompt set and sampling setting (a section), methods whose grid is marked `select: dev`
+are swept on the dev prompts and only the value chosen there runs on the test prompts (lossless
+methods: the fastest; lossy ones: the fastest whose target NLL is within `quality_tolerance` of
+the target alone). On each split every method runs back to back on each prompt, in an order
+rotated per prompt, so drift of the machine falls on all methods alike; a row's speedup is the
+mean of per-prompt tok/s ratios against the target alone, with a 95% bootstrap interval. Each
+section is saved as it finishes, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import importlib
 import itertools
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +27,11 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from decode.costmodel import CostModel, bootstrap_ci
 from decode.engine import Autoregressive, Decoder, Stats
+from decode.goals import goal_lines
 from decode.hf import hf_generate
-from decode.pair import Pair, load_pair
+from decode.pair import Pair, Sampling, load_pair
 from decode.quality import quality
 from decode.report import pareto_plot, quality_plot, table
 
@@ -44,11 +51,24 @@ class Method:
     policy: dict | None = None
     rule: dict | None = None
     hf: dict = field(default_factory=dict)
-    family: str = ""  # for plots: fixed, specdecpp, fsd, sprinter, ...
+    family: str = ""  # for plots and goals: fixed-K, specdec++, fsd, sprinter, ...
+    select: str = ""  # "dev": the grid is a threshold sweep, chosen on the dev split
+
+    @property
+    def lossless(self) -> bool:
+        if self.kind != "spec":
+            return True
+        module, _, name = self.rule["class_path"].rpartition(".")
+        return getattr(getattr(importlib.import_module(module), name), "lossless", False)
 
 
-def expand(raw: dict) -> list[Method]:
-    """One YAML entry -> methods, one per value of its grid ({'policy.k': [1, 2]} style)."""
+def expand(raw: dict, suffix: str = "") -> list[Method]:
+    """One YAML entry -> methods, one per value of its grid ({'policy.k': [1, 2]} style).
+
+    "{suffix}" in the entry is the head suffix of the section's sampling setting ("" for the pair's
+    own, "-greedy" ...), so one entry names the head trained for each setting.
+    """
+    raw = yaml.safe_load(yaml.safe_dump(raw).replace("{suffix}", suffix))
     grid = raw.pop("grid", None)
     if not grid:
         return [Method(**raw)]
@@ -66,54 +86,200 @@ def expand(raw: dict) -> list[Method]:
     return out
 
 
-def run_method(pair: Pair, m: Method, prompts: list[list[int]], n: int, seed: int) -> tuple[Stats, list[list[int]]]:
-    total, outs = Stats(), []
-    for i, ids in enumerate(prompts):
-        if m.kind == "hf":
-            out, st = hf_generate(pair, ids, n, m.hf, seed + i)
-        else:
-            dec = Autoregressive(pair, m.kind, seed + i) if m.kind in ("target", "draft") else \
-                Decoder(pair, build(m.policy), build(m.rule), seed=seed + i)
-            g = dec.generate(ids, n)
-            out, st = g.tokens, g.stats
-        total.add(st)
-        outs.append(out)
-    return total, outs
+def generator_for(pair: Pair, m: Method, seed: int):
+    """(ids, n) -> (tokens, Stats) for one method; a fresh decoder per call so every run starts alike."""
+    if m.kind == "hf":
+        return lambda ids, n: hf_generate(pair, ids, n, m.hf, seed)
+    if m.kind in ("target", "draft"):
+        return lambda ids, n: (lambda g: (g.tokens, g.stats))(Autoregressive(pair, m.kind, seed).generate(ids, n))
+    policy, rule = build(m.policy), build(m.rule)
+    dec = Decoder(pair, policy, rule, seed=seed)
+
+    def run(ids, n):
+        dec.gen.manual_seed(seed)
+        g = dec.generate(ids, n)
+        return g.tokens, g.stats
+
+    return run
 
 
-def cost_fit(rows: list[dict]) -> tuple[float, float]:
-    """Least-squares t_draft, t_target (s per forward call) from wall = draft_calls t_d + target_calls t_t."""
-    a = np.array([[r["draft_calls"], r["target_calls"]] for r in rows if r["kind"] != "hf"], dtype=float)
-    b = np.array([r["wall_s"] for r in rows if r["kind"] != "hf"])
-    (t_d, t_t), *_ = np.linalg.lstsq(a, b, rcond=None)
-    return float(t_d), float(t_t)
+def interleaved(pair: Pair, methods: list[Method], prompts: list[list[int]], n: int, seed: int, repeats: int,
+                label: str) -> dict[str, list[list[tuple[list[int], Stats]]]]:
+    """name -> [prompt][repeat] -> (tokens, stats); methods back to back per prompt, order rotated."""
+    out = {m.name: [[None] * repeats for _ in prompts] for m in methods}
+    bar = tqdm(total=len(prompts) * repeats * len(methods), desc=f"bench {label}")
+    for r in range(repeats):
+        for i, ids in enumerate(prompts):
+            shift = (i + r) % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                out[m.name][i][r] = generator_for(pair, m, seed + 1000 * r + i)(ids, n)
+                bar.update()
+    bar.close()
+    return out
 
 
-def run_section(pair: Pair, label: str, prompts: list[list[int]], methods: list[Method], n: int, seed: int,
-                shares: list[float]) -> list[dict]:
-    """All methods on one prompt set under one sampling setting -> rows (also printed)."""
-    run_method(pair, Method("warm-up", "spec", {"class_path": "decode.policies.FixedK"},
-                            {"class_path": "decode.rules.SpeculativeSampling"}), prompts[:1], 8, seed)
+def rows_of(pair: Pair, methods: list[Method], res: dict, prompts: list[list[int]], label: str,
+            cost: CostModel) -> list[dict]:
+    """Per-method rows: summed counters, paired speedup and interval, cost-model figures, quality."""
+    def tps(tokens_stats):
+        return len(tokens_stats[0]) / max(tokens_stats[1].wall, 1e-9)
+
+    base = next(m.name for m in methods if m.kind == "target")
+    base_tps = np.array([[tps(x) for x in per] for per in res[base]])
     rows = []
-    for m in tqdm(methods, desc=f"bench {label}"):
-        st, outs = run_method(pair, m, prompts, n, seed)
-        rows.append({"prompts": label, "method": m.name, "kind": m.kind, "family": m.family or m.kind,
-                     **st.summary(), **quality(pair, prompts, outs)})
-    base = next(r for r in rows if r["kind"] == "target")
-    t_d, t_t = cost_fit(rows)
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["target_calls_per_token"] = r["verification_rate"]
-        if r["kind"] == "hf":  # Hugging Face does not report its calls: no figure rather than a wrong one
+    for m in methods:
+        runs = res[m.name]
+        total = Stats()
+        for per in runs:
+            for _, st in per:
+                total.add(st)
+        ratios = np.array([[tps(x) for x in per] for per in runs]) / base_tps
+        lo, hi = bootstrap_ci(ratios)
+        row = {"prompts": label, "method": m.name, "kind": m.kind, "family": m.family or m.kind, **total.summary(),
+               "speedup": float(ratios.mean()), "speedup_lo": lo, "speedup_hi": hi,
+               **quality(pair, prompts, [per[0][0] for per in runs])}
+        row["target_calls_per_token"] = row["verification_rate"]
+        if m.kind == "hf":  # Hugging Face does not report its calls: no figure rather than a wrong one
             for k in ("discard_rate", "verification_rate", "mean_accepted", "target_calls_per_token"):
-                r[k] = None
+                row[k] = None
         else:
-            r["cost_model_tokens_per_s"] = r["new_tokens"] / max(1e-9, r["draft_calls"] * t_d + r["target_calls"] * t_t)
-    rows += random_allocation(rows, shares)
-    print(f"\n## {label}: {len(prompts)} prompts, {n} new tokens, t_draft {1e3 * t_d:.2f} ms, "
-          f"t_target {1e3 * t_t:.2f} ms per call (linear fit)\n")
-    print(table(rows), flush=True)
+            predicted = cost.predict_s(total.calls)
+            row["cost_model_tokens_per_s"] = total.new_tokens / max(predicted, 1e-9)
+            row["engine_efficiency"] = predicted / max(total.wall, 1e-9)
+        row.pop("calls", None)
+        rows.append(row)
+    return rows + random_allocation(rows)
+
+
+def random_allocation(rows: list[dict], shares=(0.25, 0.5, 0.75)) -> list[dict]:
+    """FSD's baseline: each prompt goes to the draft with share s, else to the target (expected values)."""
+    t = next(r for r in rows if r["kind"] == "target")
+    d = next((r for r in rows if r["kind"] == "draft"), None)
+    if d is None:
+        return []
+    out = []
+    for s in shares:
+        wall = s * d["wall_s"] + (1 - s) * t["wall_s"]
+        tokens = s * d["new_tokens"] + (1 - s) * t["new_tokens"]
+        out.append({"prompts": t["prompts"], "method": f"random allocation s={s}", "kind": "random",
+                    "family": "random", "new_tokens": tokens, "tokens_per_s": tokens / wall,
+                    "speedup": (tokens / wall) / t["tokens_per_s"],
+                    **{k: s * d[k] + (1 - s) * t[k] for k in ("target_nll", "greedy_agreement", "parse_rate")}})
+    return out
+
+
+def choose(methods: list[Method], dev_rows: list[dict], tolerance: float) -> list[Method]:
+    """Keep every method, except that each `select: dev` grid keeps only the value chosen on dev."""
+    by_name = {r["method"]: r for r in dev_rows}
+    target_nll = next(r for r in dev_rows if r["kind"] == "target")["target_nll"]
+    kept, groups = [], {}
+    for m in methods:
+        (groups.setdefault(m.family, []) if m.select == "dev" else kept).append(m)
+    for group in groups.values():
+        ok = [m for m in group if group[0].lossless or by_name[m.name]["target_nll"] <= target_nll + tolerance]
+        pool = ok or [min(group, key=lambda m: by_name[m.name]["target_nll"])]
+        kept.append(max(pool, key=lambda m: by_name[m.name]["speedup"]))
+    return sorted(kept, key=methods.index)
+
+
+def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
+    from data_gen.prompts import PromptSet
+
+    budget = pair.config.max_context - n
+    return [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-budget:] for t in PromptSet(**ps_raw).load()["prompt"]]
+
+
+def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path) -> list[dict]:
+    """One split of one section, resumed from `cache` when the same work was done before."""
+    key = hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
+                                     cfg["seed"], cfg["repeats"], pair.config.hash()]).encode()).hexdigest()[:16]
+    path = cache / f"{label.replace('/', '_').replace(' ', '_')}-{key}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        print(f"\n## {label}: resumed from {path.name}\n\n{saved['cost']}\n\n{table(saved['rows'])}", flush=True)
+        return saved["rows"]
+    n, k_max = cfg["max_new_tokens"], max([m.policy.get("init_args", {}).get("k", 0) for m in methods
+                                            if m.policy] + [20]) + 2
+    cost = CostModel.measure(pair, prompts, min(k_max, 24))
+    generator_for(pair, methods[0], 0)(prompts[0], 8)  # warm-up
+    res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label)
+    rows = rows_of(pair, methods, res, prompts, label, cost)
+    target = next(r for r in rows if r["kind"] == "target")
+    note = (f"cost model: {cost.describe()}; target alone measured/predicted time "
+            f"{1 / target['engine_efficiency']:.3f} (goal within 10%)")
+    print(f"\n## {label}: {len(prompts)} prompts x {cfg['repeats']} repeats, {n} new tokens\n\n{note}\n\n{table(rows)}",
+          flush=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows, "cost": note}, default=float))
     return rows
+
+
+def load_config(config: str, quick: bool, repeats: int | None) -> dict:
+    path = Path(config) if Path(config).is_absolute() else ROOT / config
+    cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "threads": 2, "quality_tolerance": 0.05,
+           "output": "runs/bench"} | yaml.safe_load(path.read_text())
+    if repeats is not None:
+        cfg["repeats"] = repeats
+    if quick:  # a smoke run: few prompts, few methods, no dev sweep
+        cfg["repeats"] = 1
+        for ps in cfg["prompt_sets"]:
+            for split in ("dev", "test"):
+                if split in ps:
+                    ps[split] = ps[split] | {"limit": cfg.get("quick_prompts", 3)}
+    return cfg
+
+
+def run(config: str, quick: bool = False, readme: bool = False, repeats: int | None = None) -> list[dict]:
+    cfg = load_config(config, quick, repeats)
+    torch.set_num_threads(cfg["threads"])
+    pair = load_pair(cfg["pair"])
+    out_dir = Path(cfg["output"]) if Path(cfg["output"]).is_absolute() else ROOT / cfg["output"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    own = pair.config.sampling.name
+    all_rows, dev_rows, md, dev_md = [], [], [], []
+    for ps in cfg["prompt_sets"]:
+        for sec in cfg["sections"]:
+            setting = Sampling(**sec.get("sampling", {}))
+            sec_pair = pair.with_sampling(**asdict(setting))
+            suffix = "" if setting.name == own else f"-{setting.name}"
+            methods = [m for raw in sec["methods"] for m in expand(dict(raw), suffix)]
+            if quick:
+                methods = [m for m in methods if m.kind == "target" or m.name in cfg.get("quick_methods", [])]
+            stem = f"{ps['name']}_{setting.name}"
+            if "dev" in ps and not quick and any(m.select == "dev" for m in methods):
+                rows = run_split(sec_pair, f"{ps['name']}/dev {setting.name}", encode_prompts(sec_pair, ps["dev"], cfg["max_new_tokens"]),
+                                 methods, cfg, out_dir / "sections")
+                dev_rows += rows
+                dev_md += [f"### {ps['name']}/dev {setting.name} (full sweep)", table(rows)]
+                methods = choose(methods, rows, cfg["quality_tolerance"])
+            label = f"{ps['name']}/test {setting.name}"
+            rows = run_split(sec_pair, label, encode_prompts(sec_pair, ps["test"], cfg["max_new_tokens"]), methods,
+                             cfg, out_dir / "sections")
+            lines = goal_lines(rows, cfg.get("goals", []))
+            print("\n".join(lines), flush=True)
+            pareto_plot(rows, out_dir / f"pareto_{stem}.png", label)
+            quality_plot(rows, out_dir / f"speed_quality_{stem}.png", label)
+            md += [f"### {label}", table(rows), "\n".join(lines)]
+            all_rows += rows
+    write_outputs(out_dir, all_rows + dev_rows, md, dev_md, config, quick, readme)
+    return all_rows
+
+
+def write_outputs(out_dir: Path, rows: list[dict], md: list[str], dev_md: list[str], config: str, quick: bool,
+                  readme: bool) -> None:
+    with open(out_dir / "bench.csv", "w", newline="") as f:
+        keys = list(dict.fromkeys(itertools.chain.from_iterable(r.keys() for r in rows)))
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    stamp = time.strftime("%Y-%m-%d")
+    head = [f"Generated by `python -m decode bench --config {config}{' --quick true' if quick else ''}` on {stamp}."]
+    (out_dir / "bench.md").write_text("\n\n".join(head + md) + "\n")
+    if dev_md:
+        (out_dir / "dev.md").write_text("\n\n".join(head + dev_md) + "\n")
+    if readme:
+        write_readme("\n\n".join(head + md))
+    print(f"\ntables (bench.md, dev.md), CSV and plots in {out_dir}")
 
 
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -127,65 +293,3 @@ def write_readme(markdown: str, readme: Path = ROOT / "README.md") -> None:
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
     readme.write_text(f"{head}{README_START}\n{markdown}\n{README_END}{tail}")
-
-
-def run(config: str, quick: bool = False, readme: bool = False) -> list[dict]:
-    cfg = yaml.safe_load((ROOT / config if not Path(config).is_absolute() else Path(config)).read_text())
-    torch.set_num_threads(cfg.get("threads", 2))
-    pair = load_pair(cfg["pair"])
-    from data_gen.prompts import PromptSet
-
-    out_dir = Path(cfg.get("output", "runs/bench"))
-    out_dir = out_dir if out_dir.is_absolute() else ROOT / out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    n, seed, all_rows = cfg.get("max_new_tokens", 64), cfg.get("seed", 0), []
-    sections = cfg.get("sections") or [{"name": "", "temperature": None, "methods": cfg["methods"]}]
-    for ps_raw in cfg["prompt_sets"]:
-        ps = PromptSet(**ps_raw | ({"limit": cfg.get("quick_prompts", 3)} if quick else {}))
-        budget = pair.config.max_context - n
-        prompts = [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-budget:] for t in ps.load()["prompt"]]
-        for sec in sections:
-            methods = [m for raw in sec["methods"] for m in expand(dict(raw))]
-            if quick:
-                methods = [m for m in methods if m.kind in ("target", "draft") or m.name in cfg.get("quick_methods", [])]
-            label = f"{ps.name}/{ps.split}" + (f" {sec['name']}" if sec["name"] else "")
-            sec_pair = pair if sec.get("temperature") is None else pair.with_sampling(temperature=sec["temperature"])
-            rows = run_section(sec_pair, label, prompts, methods, n, seed,
-                               cfg.get("random_shares", [0.25, 0.5, 0.75]))
-            stem = f"{ps.name}_{ps.split}" + (f"_{sec['name']}" if sec["name"] else "")
-            pareto_plot(rows, out_dir / f"pareto_{stem}.png", label)
-            quality_plot(rows, out_dir / f"speed_quality_{stem}.png", label)
-            all_rows += rows
-    with open(out_dir / "bench.csv", "w", newline="") as f:
-        keys = list(dict.fromkeys(itertools.chain.from_iterable(r.keys() for r in all_rows)))
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(all_rows)
-    stamp = time.strftime("%Y-%m-%d")
-    md = [f"Generated by `python -m decode bench --config {config}{' --quick true' if quick else ''}` on {stamp}."]
-    for label in dict.fromkeys(r["prompts"] for r in all_rows):
-        md += [f"### {label}", table([r for r in all_rows if r["prompts"] == label])]
-    (out_dir / "bench.md").write_text("\n\n".join(md) + "\n")
-    if readme:
-        write_readme("\n\n".join(md))
-    print(f"\ntable (bench.md), CSV and plots in {out_dir}")
-    return all_rows
-
-
-def random_allocation(rows: list[dict], shares: list[float]) -> list[dict]:
-    """FSD's baseline: each prompt goes to the draft with share s, else to the target (expected values)."""
-    t = next(r for r in rows if r["kind"] == "target")
-    d = next((r for r in rows if r["kind"] == "draft"), None)
-    if d is None:
-        return []
-    out = []
-    for s in shares:
-        wall = s * d["wall_s"] + (1 - s) * t["wall_s"]
-        tokens = s * d["new_tokens"] + (1 - s) * t["new_tokens"]
-        out.append({"prompts": t["prompts"], "method": f"random allocation s={s}", "kind": "random",
-                    "family": "random", "new_tokens": tokens, "tokens_per_s": tokens / wall,
-                    "speedup": (tokens / wall) / t["tokens_per_s"],
-                    "target_nll": s * d["target_nll"] + (1 - s) * t["target_nll"],
-                    "greedy_agreement": s * d["greedy_agreement"] + (1 - s) * t["greedy_agreement"],
-                    "parse_rate": s * d["parse_rate"] + (1 - s) * t["parse_rate"]})
-    return out

@@ -1,17 +1,113 @@
-"""Hugging Face generate as a baseline: the target alone, or assisted by the draft."""
+"""Hugging Face generate: the baselines (target alone, assisted at constant K or with the confidence
+rule), and an exported SpecDec++ head driving the assistant inside an unmodified `generate()`:
+
+    assistant = specdecpp_assistant(draft, "checkpoints/specdecpp-greedy", h=0.7, tokenizer=tokenizer)
+    out = target.generate(**inputs, assistant_model=assistant, do_sample=False, max_new_tokens=64)
+
+The assistant is a shallow copy of the draft (same weights, no extra memory) whose `generate` adds a
+stopping criterion: a forward pre-hook on the draft's output embeddings reads the last hidden state
+(after the final norm, the state heads are trained on), the head turns it into alpha_hat, and
+drafting stops when 1 - prod(alpha_hat) > h. The one thing this relies on beyond public API is that
+assisted generation drafts by calling `assistant_model.generate(...)` (ASSISTANT_ENTRY below);
+tests/test_hf.py fails loudly if a transformers release stops doing so.
+"""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from decode.engine import Stats
-from decode.pair import Pair
+from decode.pair import Pair, Sampling, model_identity
+from decode.policies import SpecDecPP
+
+ASSISTANT_ENTRY = "generate"  # the method of the assistant that transformers' AssistedCandidateGenerator calls
+
+
+class HeadStop(StoppingCriteria):
+    """SpecDec++'s stopping rule over the hidden states a hook captured; reset per drafting round.
+
+    A "prev" head scores each candidate from the state that produced it, exactly as the engine does.
+    An "own" head needs the state after reading the candidate, which the assistant computes only when
+    it drafts the next one: its rule is applied one candidate late (one more draft token per round).
+    """
+
+    def __init__(self, policy: SpecDecPP):
+        self.policy, self.captured, self.steps, self.head_s = policy, None, 0, 0.0
+        self.rounds, self.drafted = 0, 0  # over the assistant's life: drafting rounds, candidates
+
+    def reset(self) -> None:
+        self.policy.reset()
+        self.steps = 0
+        self.rounds += 1
+
+    def capture(self, module, args) -> None:
+        self.captured = args[0][:, -1].detach()  # (1, H) final-norm state at the last position
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        t0 = time.perf_counter()
+        self.steps += 1
+        self.drafted += 1
+        late = self.policy.reads_own_state
+        stop = False
+        if not late or self.steps > 1:
+            with torch.no_grad():
+                self.policy.survive *= float(self.policy.head.prob(self.captured[0].float()))
+            stop = 1.0 - self.policy.survive > self.policy.h
+        self.head_s += time.perf_counter() - t0
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+def sampling_of(generation_config) -> Sampling:
+    """The Sampling a generation config decodes under (greedy unless do_sample)."""
+    if not generation_config.do_sample:
+        return Sampling(temperature=0.0)
+    return Sampling(temperature=generation_config.temperature or 1.0, top_k=generation_config.top_k or 0,
+                    top_p=generation_config.top_p if generation_config.top_p is not None else 1.0)
+
+
+def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20, tokenizer=None,
+                        allow_sampling_mismatch: bool = False):
+    """A copy of `draft` for `generate(assistant_model=...)` whose drafting stops by an exported head.
+
+    Refuses (HeadMismatch) a head trained for another draft; the sampling setting is checked at the
+    first generate call, against the one the target decodes under (SamplingMismatch).
+    """
+    policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch)
+    recorded = policy.config.get("draft", {})
+    vocab = len(tokenizer) if tokenizer is not None else recorded.get("vocab_size")
+    policy.bind(model_identity(draft, vocab, recorded.get("path", "")))
+    stop = HeadStop(policy)
+    assistant = copy.copy(draft)  # shares modules and weights; only its attributes are its own
+    assistant.generation_config = copy.deepcopy(draft.generation_config)
+    gc = assistant.generation_config
+    gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = max_len, "constant"
+    gc.assistant_confidence_threshold = 0.0  # the head decides, not the confidence rule
+    lm_head = draft.get_output_embeddings()
+    plain_generate, checked = draft.generate, []
+
+    def generate(*args, **kwargs):
+        if not checked:  # the setting the target decodes under, known only now
+            policy.bind(model_identity(draft, vocab, recorded.get("path", "")), sampling_of(kwargs["generation_config"]))
+            checked.append(True)
+        stop.reset()
+        criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [stop])
+        handle = lm_head.register_forward_pre_hook(stop.capture)
+        try:
+            return plain_generate(*args, stopping_criteria=criteria, **kwargs)
+        finally:
+            handle.remove()
+
+    setattr(assistant, ASSISTANT_ENTRY, generate)
+    assistant.specdecpp_stop = stop  # counters for tests and the bench
+    return assistant
 
 
 def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int) -> tuple[list[int], Stats]:
-    """Hugging Face generate, assisted (hf: {'k': K} or {'confidence': c}) or not; sampling as the pair."""
+    """Hugging Face generate, assisted (hf: {'k': K}, {'confidence': c} or {'head': dir, 'h': h}) or not."""
     s = pair.config.sampling
     kwargs = dict(max_new_tokens=n, min_new_tokens=0, pad_token_id=pair.tokenizer.eos_token_id,
                   do_sample=s.temperature > 0)
@@ -22,14 +118,20 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int) -> tupl
             raise ValueError(f"Hugging Face assisted generation needs equal embedding sizes, got draft "
                              f"{pair.draft.config.vocab_size} and target {pair.target.config.vocab_size}: "
                              "drop the kind: hf methods from the bench config for this pair")
-        gc = pair.draft.generation_config
-        gc.num_assistant_tokens = hf.get("k", 20)
-        gc.num_assistant_tokens_schedule = "constant"
-        gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
-        kwargs["assistant_model"] = pair.draft
+        if "head" in hf:
+            kwargs["assistant_model"] = specdecpp_assistant(pair.draft, hf["head"], hf.get("h", 0.7),
+                                                            hf.get("max_len", 20), pair.tokenizer)
+        else:
+            gc = pair.draft.generation_config
+            gc.num_assistant_tokens = hf.get("k", 20)
+            gc.num_assistant_tokens_schedule = "constant"
+            gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
+            kwargs["assistant_model"] = pair.draft
     torch.manual_seed(seed)
     x = torch.tensor([ids])
     t0 = time.perf_counter()
     out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
     st = Stats(new_tokens=len(out), wall=time.perf_counter() - t0)
+    if "assistant_model" in kwargs and hasattr(kwargs["assistant_model"], "specdecpp_stop"):
+        st.t_head = kwargs["assistant_model"].specdecpp_stop.head_s
     return out, st

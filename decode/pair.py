@@ -140,18 +140,17 @@ class Pair:
 
     def identity(self, which: str = "draft") -> dict:
         """What identifies a model: path, config hash, sizes (recorded in head checkpoints)."""
-        model = getattr(self, which)
-        cfg = model.config.to_dict()
-        for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
-            cfg.pop(k, None)
-        digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
-        return {
-            "path": getattr(self.config, which).path,
-            "config_hash": digest,
-            "hidden_size": model.config.hidden_size,
-            "vocab_size": self.vocab,
-            "num_layers": model.config.num_hidden_layers,
-        }
+        return model_identity(getattr(self, which), self.vocab, getattr(self.config, which).path)
+
+
+def model_identity(model, vocab: int, path: str) -> dict:
+    """Path, config hash and sizes of a loaded model: what a head checkpoint records of its draft."""
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        cfg.pop(k, None)
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return {"path": path, "config_hash": digest, "hidden_size": model.config.hidden_size, "vocab_size": vocab,
+            "num_layers": model.config.num_hidden_layers}
 
 
 def load_tokenizers(cfg: PairConfig):

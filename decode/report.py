@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 COLUMNS = [("method", "method", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
+           ("speedup_ci", "95% interval", "{}"),
            ("discard_rate", "discard rate", "{:.3f}"), ("verification_rate", "verification rate", "{:.3f}"),
            ("mean_accepted", "mean accepted", "{:.2f}"), ("target_calls_per_token", "target calls/token", "{:.3f}"),
-           ("cost_model_tokens_per_s", "cost-model tok/s", "{:.1f}"), ("target_nll", "target NLL", "{:.3f}"),
+           ("cost_model_tokens_per_s", "cost-model tok/s", "{:.1f}"), ("engine_efficiency", "measured/predicted speed", "{:.2f}"),
+           ("target_nll", "target NLL", "{:.3f}"),
            ("greedy_agreement", "greedy agreement", "{:.3f}"), ("parse_rate", "parses", "{:.2f}")]
 
 
@@ -16,14 +18,16 @@ def table(rows: list[dict]) -> str:
     head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
     lines = [head, "|" + "---|" * len(COLUMNS)]
     for r in rows:
+        if r.get("speedup_lo") is not None:
+            r = r | {"speedup_ci": f"[{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]"}
         cells = [fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _line_plot(series: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str,
+def _line_plot(series: dict[str, list[tuple]], path: Path, xlabel: str, ylabel: str,
                title: str, dashed: tuple[str, ...] = ()) -> Path:
-    """One line per named series of (x, y) points, saved as a PNG."""
+    """One line per named series of (x, y) or (x, y, x_lo, x_hi) points, saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,8 +36,12 @@ def _line_plot(series: dict[str, list[tuple[float, float]]], path: Path, xlabel:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, pts in series.items():
         pts = sorted(pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-                linestyle="--" if name in dashed else "-")
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+                        linestyle="--" if name in dashed else "-")
+        if any(len(p) == 4 for p in pts):  # 95% intervals of the speedup as horizontal bars
+            xerr = [[max(0.0, p[0] - p[2]) for p in pts], [max(0.0, p[3] - p[0]) for p in pts]]
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], xerr=xerr, fmt="none", ecolor=line.get_color(),
+                        alpha=0.6, capsize=2)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -53,10 +61,11 @@ def pareto_plot(rows: list[dict], path: Path, title: str) -> Path:
 
 
 def quality_plot(rows: list[dict], path: Path, title: str) -> Path:
-    """Speedup vs target NLL of the output for every family and random allocation (FSD Fig. 2)."""
+    """Speedup (with its 95% interval) vs target NLL of the output per family and random allocation (FSD Fig. 2)."""
     series: dict[str, list] = {}
     for r in rows:
         if r.get("target_nll") is not None:
-            series.setdefault(r["family"], []).append((r["speedup"], r["target_nll"]))
+            ci = (r["speedup_lo"], r["speedup_hi"]) if r.get("speedup_lo") is not None else (r["speedup"],) * 2
+            series.setdefault(r["family"], []).append((r["speedup"], r["target_nll"], *ci))
     return _line_plot(series, path, "speedup over target alone", "target NLL of output (nats/token, lower is better)",
                       title, dashed=("random",))

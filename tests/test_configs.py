@@ -28,19 +28,38 @@ def resolve(class_path):
     return getattr(importlib.import_module(module), name)
 
 
+def recipe_heads() -> set[str]:
+    """checkpoints/<name> that the shipped recipes export (heads/<recipe>.yaml's ExportHead name)."""
+    names = set()
+    for recipe in (ROOT / "heads").glob("*.yaml"):
+        for cb in yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", []):
+            if cb["class_path"].endswith("ExportHead"):
+                names.add("checkpoints/" + cb["init_args"]["name"])
+    return names
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "bench").glob("*.yaml")), ids=lambda p: p.stem)
-def test_bench_configs_name_real_classes_and_arguments(path):
+def test_bench_configs_name_real_classes_arguments_and_heads(path):
+    from decode.pair import PairConfig, Sampling
+
     cfg = yaml.safe_load(path.read_text())
-    methods = [m for sec in cfg.get("sections") or [{"methods": cfg["methods"]}] for raw in sec["methods"]
-               for m in expand(dict(raw))]
-    assert any(m.kind == "target" for m in methods)
-    for m in methods:
+    own = PairConfig.from_yaml(cfg["pair"]).sampling.name
+    methods = []
+    for sec in cfg["sections"]:
+        name = Sampling(**sec.get("sampling", {})).name
+        suffix = "" if name == own else f"-{name}"
+        methods += [(suffix, m) for raw in sec["methods"] for m in expand(dict(raw), suffix)]
+    assert any(m.kind == "target" for _, m in methods)
+    exported = recipe_heads()
+    for suffix, m in methods:
         for spec in (m.policy, m.rule):
             if spec is None:
                 continue
             params = inspect.signature(resolve(spec["class_path"])).parameters
             unknown = set(spec.get("init_args", {})) - set(params)
             assert not unknown, f"{path.name}: {m.name}: {spec['class_path']} has no argument {unknown}"
-            head = spec.get("init_args", {}).get("head_dir")
-            if head:
-                assert (ROOT / head / "config.json").exists(), f"{path.name} names a head that is not shipped: {head}"
+        head = (m.policy or {}).get("init_args", {}).get("head_dir") or m.hf.get("head")
+        if head:  # a shipped head, or one that a shipped recipe exports for this setting
+            assert (ROOT / head / "config.json").exists() or any(head == h + suffix for h in exported), \
+                f"{path.name}: {m.name} names {head}, which no recipe in heads/ exports"
+    assert {m.select for _, m in methods} <= {"", "dev"}

@@ -1,0 +1,66 @@
+"""Benchmark goals stated from the rows themselves: met, not met, or not separated by the intervals.
+
+Goals are listed in the bench YAML, e.g.
+    - {kind: beats, name: "SpecDec++ beats the best fixed-K SD", a: specdec++, b: fixed-K}
+    - {kind: each, name: "our SD at least as fast as HF assisted at each K", a: "SD K={v}", b: "HF K={v}", values: [1, 2]}
+    - {kind: gap, name: "share of the fixed-K-to-oracle gap SpecDec++ closes", a: specdec++, b: fixed-K, oracle: oracle}
+`beats` compares the fastest row of family a with the fastest of family b; a goal is met only when
+a's 95% interval lies above b's, not met when it lies below, and otherwise the rows are not separated.
+"""
+
+from __future__ import annotations
+
+
+def _best(rows: list[dict], family: str) -> dict | None:
+    pool = [r for r in rows if r.get("family") == family and r.get("speedup_lo") is not None]
+    return max(pool, key=lambda r: r["speedup"]) if pool else None
+
+
+def _fmt(r: dict) -> str:
+    return f"{r['method']} {r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]"
+
+
+def compare(a: dict, b: dict) -> str:
+    """'met' if a's interval is above b's, 'NOT met' if below, else 'not separated'."""
+    if a["speedup_lo"] > b["speedup_hi"]:
+        return "met"
+    if a["speedup_hi"] < b["speedup_lo"]:
+        return "NOT met"
+    return "not separated (intervals overlap)"
+
+
+def goal_line(rows: list[dict], goal: dict) -> str | None:
+    """One line for one goal, or None when the section lacks the rows it needs."""
+    name, kind = goal["name"], goal["kind"]
+    if kind == "beats":
+        a, b = _best(rows, goal["a"]), _best(rows, goal["b"])
+        if a is None or b is None:
+            return None
+        return f"- **{name}** — {compare(a, b)}: {_fmt(a)} vs {_fmt(b)}"
+    if kind == "each":
+        by_name = {r["method"]: r for r in rows}
+        pairs = [(by_name.get(goal["a"].format(v=v)), by_name.get(goal["b"].format(v=v))) for v in goal["values"]]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if not pairs:
+            return None
+        verdicts = [compare(a, b) for a, b in pairs]
+        met = sum(v == "met" for v in verdicts)
+        lost = sum(v == "NOT met" for v in verdicts)
+        overall = "met" if met == len(pairs) else "NOT met" if lost else "not separated at every value"
+        detail = "; ".join(f"{a['method']} {a['speedup']:.2f}x vs {b['method']} {b['speedup']:.2f}x ({v})"
+                           for (a, b), v in zip(pairs, verdicts))
+        return f"- **{name}** — {overall} ({met} of {len(pairs)} above the interval): {detail}"
+    if kind == "gap":
+        a, b = _best(rows, goal["a"]), _best(rows, goal["b"])
+        o = next((r for r in rows if r.get("family") == goal["oracle"]), None)
+        if a is None or b is None or o is None or o.get("cost_model_tokens_per_s") is None:
+            return None
+        span = o["cost_model_tokens_per_s"] - b["cost_model_tokens_per_s"]
+        share = (a["cost_model_tokens_per_s"] - b["cost_model_tokens_per_s"]) / span if span > 0 else float("nan")
+        return (f"- **{name}** (cost model) — {100 * share:.0f}%: {a['method']} {a['cost_model_tokens_per_s']:.1f}, "
+                f"{b['method']} {b['cost_model_tokens_per_s']:.1f}, oracle {o['cost_model_tokens_per_s']:.1f} tok/s")
+    raise ValueError(f"unknown goal kind {kind!r}; choose beats, each or gap")
+
+
+def goal_lines(rows: list[dict], goals: list[dict]) -> list[str]:
+    return [line for g in goals if (line := goal_line(rows, g)) is not None]

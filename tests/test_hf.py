@@ -1,0 +1,103 @@
+"""An exported head inside an unmodified Hugging Face generate(): greedy equality, the sampling law,
+and the one transformers behaviour the helper relies on (the assistant's generate is what drafts)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.hf import specdecpp_assistant
+from decode.policies import SamplingMismatch
+from heads import AcceptanceHead, HeadMismatch, save_pretrained
+from tests.test_decode import ALPHA, PROMPTS, exact_two_token_law
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def export(tmp_path, pair, name, temperature, position="prev", bias=None):
+    head = AcceptanceHead(pair.draft.config.hidden_size, 2)
+    if bias is not None:
+        with torch.no_grad():
+            head.out.weight.zero_()
+            head.out.bias.fill_(bias)
+    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+    meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": []}, "sampling": sampling}
+    return str(save_pretrained(head, tmp_path / name, meta))
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    from decode.pair import load_pair
+    from tests.tiny import write_tiny_pair
+
+    return load_pair(write_tiny_pair(tmp_path_factory.mktemp("hf_pair"), pad_rows=0))  # HF needs equal sizes
+
+
+def greedy(model, ids, n, **kw):
+    x = torch.tensor([ids])
+    return model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                          pad_token_id=0, eos_token_id=None, **kw)[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("position", ["prev", "own"])
+def test_greedy_generate_with_the_head_equals_target_greedy(hf_pair, tmp_path, position):
+    head = export(tmp_path, hf_pair, "h", 0.0, position)
+    assistant = specdecpp_assistant(hf_pair.draft, head, h=0.5, tokenizer=hf_pair.tokenizer)
+    for prompt in PROMPTS[:6]:
+        assert greedy(hf_pair.target, prompt, 16, assistant_model=assistant) == greedy(hf_pair.target, prompt, 16)
+    # transformers drafted through the assistant's generate (decode.hf.ASSISTANT_ENTRY) and the head was read
+    assert assistant.specdecpp_stop.steps > 0 and assistant.specdecpp_stop.captured is not None
+
+
+def test_head_bias_sets_the_draft_length(hf_pair, tmp_path):
+    lengths = {}
+    for name, bias in (("sure", 20.0), ("doubt", -20.0)):
+        assistant = specdecpp_assistant(hf_pair.draft, export(tmp_path, hf_pair, name, 0.0, bias=bias), h=0.5,
+                                        max_len=6, tokenizer=hf_pair.tokenizer)
+        greedy(hf_pair.target, PROMPTS[0], 12, assistant_model=assistant)
+        stop = assistant.specdecpp_stop
+        lengths[name] = stop.drafted / stop.rounds
+    assert lengths["doubt"] == 1 and lengths["sure"] > 2  # stop after every candidate vs draft up to max_len
+
+
+def test_head_of_another_setting_or_draft_is_refused(hf_pair, tiny_pair, tmp_path):
+    t1 = export(tmp_path, hf_pair, "t1", 1.0)
+    assistant = specdecpp_assistant(hf_pair.draft, t1, tokenizer=hf_pair.tokenizer)
+    with pytest.raises(SamplingMismatch, match="trained for sampling t1 but the decoder samples greedy"):
+        greedy(hf_pair.target, PROMPTS[0], 4, assistant_model=assistant)
+    with pytest.raises(HeadMismatch):
+        specdecpp_assistant(tiny_pair.target, t1)  # not the draft it was trained for
+
+
+@pytest.mark.slow
+def test_sampling_with_the_head_keeps_the_target_law(hf_pair, tmp_path):
+    from scipy.stats import chisquare
+
+    pair = hf_pair.with_sampling(temperature=1.0)
+    prompt, n = [3, 7], 2000
+    law = exact_two_token_law(pair, prompt)
+    assistant = specdecpp_assistant(pair.draft, export(tmp_path, pair, "s", 1.0), h=0.5, tokenizer=pair.tokenizer)
+    counts = torch.zeros_like(law)
+    x = torch.tensor([prompt])
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = pair.target.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_k=None,
+                                   top_p=1.0, max_new_tokens=2, pad_token_id=0, assistant_model=assistant)[0, 2:].tolist()
+        counts[out[0], out[1] if len(out) > 1 else out[0]] += 1
+    expected = law.flatten() * n
+    big = expected >= 5
+    obs = torch.cat([counts.flatten()[big], counts.flatten()[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > ALPHA
+
+
+@pytest.mark.slow
+def test_embedded_pair_greedy_equality(tmp_path):
+    from data_gen.prompts import PromptSet
+    from decode.pair import load_pair
+
+    pair = load_pair(ROOT / "configs/pairs/pycode.yaml")
+    assistant = specdecpp_assistant(pair.draft, export(tmp_path, pair, "p", 0.0), h=0.7, tokenizer=pair.tokenizer)
+    for text in PromptSet("pycode", "test", limit=3, seed=0).load()["prompt"]:
+        ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"][-300:]
+        assert greedy(pair.target, ids, 24, assistant_model=assistant) == greedy(pair.target, ids, 24)
