@@ -54,8 +54,7 @@ class HeadStop(StoppingCriteria):
         late = self.policy.reads_own_state
         stop = False
         if not late or self.steps > 1:
-            with torch.no_grad():
-                self.policy.survive *= float(self.policy.head.prob(self.captured[0].float()))
+            self.policy.survive *= self.policy.fast_prob(self.captured[0].float().numpy())
             stop = 1.0 - self.policy.survive > self.policy.h
         self.head_s += time.perf_counter() - t0
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
@@ -77,6 +76,9 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
     first generate call, against the one the target decodes under (SamplingMismatch).
     """
     policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch)
+    if policy.features.extras:
+        raise ValueError(f"head {head_dir} reads extra features {policy.features.extras}; inside Hugging Face "
+                         "generate only the hidden state is available: use a head trained with extras: []")
     recorded = policy.config.get("draft", {})
     vocab = len(tokenizer) if tokenizer is not None else recorded.get("vocab_size")
     policy.bind(model_identity(draft, vocab, recorded.get("path", "")))

@@ -115,6 +115,7 @@ class HeadPolicy(Policy):
         self.head, self.config = from_pretrained(head_dir)
         self.features = FeatureSpec(**self.config["features"])
         self.reads_own_state = self.features.position == "own"
+        self.fast_prob = self.head.inference_fn()  # numpy path: the head's cost at batch 1 is dispatch
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
 
     def bind(self, draft_identity: dict, sampling: Sampling | None = None) -> None:
@@ -139,7 +140,7 @@ class HeadPolicy(Policy):
         if self.features.extras:
             p = step.probs
             hidden = self.features.build(hidden, L.entropy(p), p.max(), p[step.token])
-        return float(self.head.prob(hidden))
+        return self.fast_prob(hidden.float().numpy())
 
 
 class SpecDecPP(HeadPolicy):

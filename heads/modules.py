@@ -7,6 +7,7 @@ probability that a draft token is accepted is sigmoid(logit).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -61,6 +62,36 @@ class AcceptanceHead(Head):
         for block in self.blocks:
             x = block(x)
         return self.out(x).squeeze(-1)
+
+    @torch.inference_mode()
+    def inference_fn(self):
+        """A (in_dim,) -> float probability function for decoding one token at a time.
+
+        At batch 1 a head's cost is per-op dispatch, not arithmetic, so the decode path runs on numpy
+        float32 arrays with the normalisation folded into the first layer: a depth-1 head is one dot
+        product, each residual block three array ops.
+        """
+        inv = (1.0 / self.std).numpy().astype(np.float32)
+        shift = (-self.mean / self.std).numpy().astype(np.float32)
+        layers = [(b.linear.weight.numpy().astype(np.float32), b.linear.bias.numpy().astype(np.float32))
+                  for b in self.blocks]
+        w_out, b_out = self.out.weight[0].numpy().astype(np.float32), float(self.out.bias[0])
+        if not layers:  # fold x * inv + shift into the output layer itself
+            w, b = w_out * inv, b_out + float(w_out @ shift)
+            return lambda x: 1.0 / (1.0 + np.exp(-(float(np.asarray(x, dtype=np.float32) @ w) + b)))
+        w0, b0 = layers[0]
+        w0, b0 = w0 * inv, b0 + w0 @ shift  # the first block's linear reads the raw features
+
+        def prob(x) -> float:
+            x = np.asarray(x, dtype=np.float32)
+            z = w0 @ x + b0
+            h = x * inv + shift + z / (1.0 + np.exp(-z))  # normalised skip + SiLU
+            for w, b in layers[1:]:
+                z = w @ h + b
+                h = h + z / (1.0 + np.exp(-z))
+            return 1.0 / (1.0 + np.exp(-(float(w_out @ h) + b_out)))
+
+        return prob
 
 
 class LinearVerifier(AcceptanceHead):

@@ -151,3 +151,62 @@ def test_label_folder_and_head_name_follow_the_sampling_setting(tiny_labels):
     warm = LabelData(labels=base, build_config=str(tiny_labels), sampling=Sampling(temperature=0.7, top_p=0.95))
     assert warm.head_suffix == "-t0.7-p0.95"
     assert own.meta()["sampling"]["temperature"] == 1.0  # recorded from the label set, read back by decode
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_inference_path_equals_the_module(depth):
+    torch.manual_seed(depth)
+    head = AcceptanceHead(16, depth)
+    with torch.no_grad():
+        head.set_normalizer(torch.randn(16), torch.rand(16) + 0.5)
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    fast = head.inference_fn()
+    x = torch.randn(20, 16) * 2 + 1
+    want = head.prob(x)
+    got = torch.tensor([fast(row.numpy()) for row in x], dtype=torch.float32)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_during_fit_saves_state_and_the_resumed_run_exports_the_same_head(tiny_labels, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from train.__main__ import cli
+
+    def config(tag, slow):
+        def edit(cfg):
+            cfg["data"]["labels"] = str(yaml.safe_load(tiny_labels.read_text())["data"]["output"])
+            cfg["data"]["build_config"] = str(tiny_labels)
+            cfg["trainer"] |= {"logger": False, "default_root_dir": str(tmp_path / tag), "max_epochs": 4}
+            set_export_name(cfg, "exported")
+            for cb in cfg["trainer"]["callbacks"]:
+                if cb["class_path"].endswith("ExportHead"):
+                    cb["init_args"]["directory"] = str(tmp_path / tag)
+            if slow:
+                cfg["trainer"]["callbacks"].append({"class_path": "tests.tiny.SlowEpochs"})
+        path = config_with(ROOT / "heads" / "specdecpp.yaml", edit)
+        return path.rename(tmp_path / f"{tag}.yaml")
+
+    cli(["fit", "--config", str(config("whole", slow=False))])
+    cmd = [sys.executable, "-m", "train", "fit", "--config", str(config("cut", slow=True))]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and not list((tmp_path / "cut").rglob("epoch=0*.ckpt")):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and time.time() - t0 < 30, out[-3000:]
+    assert (tmp_path / "cut" / "resume" / "last.ckpt").exists() and not (tmp_path / "cut" / "exported").exists()
+    res = subprocess.run(cmd + ["--ckpt_path", "last"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    whole, _ = from_pretrained(tmp_path / "whole" / "exported")
+    resumed, _ = from_pretrained(tmp_path / "cut" / "exported")
+    for (k, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-5), k

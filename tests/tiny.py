@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 ALPHABET = list("abcdefgh ():=\n0123456789")[:23]
 EOS = "<eos>"
@@ -72,3 +73,16 @@ def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int
     cfg = root / "data_gen.yaml"
     cfg.write_text(yaml.safe_dump({"data": {"pair": str(pair_yaml), "output": str(out.parent), "max_new_tokens": max_new}}))
     return cfg
+
+
+
+class SlowEpochs(Callback):
+    """Pauses after each training epoch, so that a test can signal a run in the middle of fit."""
+
+    def __init__(self, seconds: float = 1.5):
+        self.seconds = seconds
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        import time
+
+        time.sleep(self.seconds)

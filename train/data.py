@@ -65,6 +65,24 @@ def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torc
     return torch.cat(xs), {k: torch.cat(v) for k, v in cols.items()}
 
 
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle that depends on (seed, epoch) alone: Lightning calls set_epoch, so a run resumed at an
+    epoch boundary sees exactly the batches an uninterrupted run would have seen."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class LabelData(L.LightningDataModule):
     """A data_gen label set, a label family and a feature spec -> train/val loaders of (x, target, event)."""
 
@@ -152,8 +170,8 @@ class LabelData(L.LightningDataModule):
                 "draft": m["draft"], "target": m["target"], "sampling": m["sampling"], "pair": m["pair"]}
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.tensors[self.train_split], batch_size=self.batch_size, shuffle=True, generator=g)
+        sampler = EpochSampler(len(self.tensors[self.train_split]), self.seed)
+        return DataLoader(self.tensors[self.train_split], batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.tensors[self.val_split], batch_size=4096)
