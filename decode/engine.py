@@ -147,7 +147,7 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             raw = logits[-1]
             q = transform(raw, s)
-            tok = int(sample(q, self.gen))
+            tok = int(q.argmax()) if s.temperature == 0 else int(sample(q, self.gen))  # one-hot: no draw needed
             stats.t_sample += time.perf_counter() - t0
             tokens.append(tok), qs.append(q)
             if len(tokens) >= min(policy.max_len, limit):
@@ -234,7 +234,8 @@ class Autoregressive:
         logits, _ = runner.feed(prompt_ids)
         out = []
         while len(out) < max_new_tokens:
-            tok = int(sample(transform(logits[-1], self.pair.config.sampling), self.gen))
+            s = self.pair.config.sampling
+            tok = int(logits[-1].argmax()) if s.temperature == 0 else int(sample(transform(logits[-1], s), self.gen))
             out.append(tok)
             if on_tokens is not None:
                 on_tokens([tok])
