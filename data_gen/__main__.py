@@ -103,6 +103,9 @@ def main(args=None) -> None:
         run(args)
     except Interrupted as stop:
         sys.exit(128 + stop.signum)
+    except ValueError as e:  # a bad setting: one line, exit 2 as argparse does
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
 
 
 def run(args=None) -> None:

@@ -34,6 +34,9 @@ class PromptData(L.LightningDataModule):
     def __init__(self, pair: str = "configs/pairs/pycode.yaml", output: str = "data/pycode",
                  prompts: list[PromptSet] | None = None, batch_size: int = 16, max_new_tokens: int = 96):
         super().__init__()
+        for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+            if value < 1:
+                raise ValueError(f"--data.{name} must be >= 1, got {value}")
         self.pair, self.output, self.batch_size, self.max_new_tokens = pair, output, batch_size, max_new_tokens
         self.prompt_sets = prompts if prompts is not None else [PromptSet("pycode", "train")]
         self.counts: dict[str, int] = {}

@@ -63,3 +63,19 @@ def test_bench_configs_name_real_classes_arguments_and_heads(path):
             assert (ROOT / head / "config.json").exists() or any(head == h + suffix for h in exported), \
                 f"{path.name}: {m.name} names {head}, which no recipe in heads/ exports"
     assert {m.select for _, m in methods} <= {"", "dev"}
+
+
+@pytest.mark.parametrize("module, args, option", [
+    ("data_gen", ["--config", "configs/data_gen/pycode.yaml", "--data.max_new_tokens", "-3"], "max_new_tokens"),
+    ("data_gen", ["--config", "configs/data_gen/pycode.yaml", "--data.batch_size", "0"], "batch_size"),
+    ("train", ["fit", "--config", "heads/specdecpp.yaml", "--model.lr", "-1"], "lr"),
+])
+def test_lightning_clis_reject_out_of_range_numbers(module, args, option):
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                         env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and option in errors[0], res.stderr[-2000:]

@@ -93,6 +93,8 @@ class LabelData(L.LightningDataModule):
         """labels: the label set's base folder; the records are read from <labels>/<sampling name>.
         sampling: the setting the head is trained for and will decode under (None: the pair's own)."""
         super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"--data.batch_size must be >= 1, got {batch_size}")
         self.labels, self.build_config, self.sampling = labels, build_config, sampling
         self.label, self.features = label or SoftAcceptance(), features or FeatureSpec()
         self.train_split, self.val_split, self.batch_size = train_split, val_split, batch_size

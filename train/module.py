@@ -18,6 +18,8 @@ class HeadModule(L.LightningModule):
     def __init__(self, head: Callable[[int], Head] = AcceptanceHead, feature_dim: int = 128,
                  label: LabelFamily | None = None, lr: float = 1e-3, weight_decay: float = 0.0):
         super().__init__()
+        if lr <= 0 or weight_decay < 0:
+            raise ValueError(f"--model.lr must be > 0 and --model.weight_decay >= 0, got {lr} and {weight_decay}")
         self.save_hyperparameters(ignore=["head", "label"])
         self.head = head(feature_dim)
         self.label = label or SoftAcceptance()
