@@ -206,6 +206,8 @@ def test_sigterm_during_fit_saves_state_and_the_resumed_run_exports_the_same_hea
     assert (tmp_path / "cut" / "resume" / "last.ckpt").exists() and not (tmp_path / "cut" / "exported").exists()
     res = subprocess.run(cmd + ["--ckpt_path", "last"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "Restoring states from the checkpoint path" in res.stdout + res.stderr  # resumed, not restarted
+    assert "resume/last.ckpt" in res.stdout + res.stderr
     whole, _ = from_pretrained(tmp_path / "whole" / "exported")
     resumed, _ = from_pretrained(tmp_path / "cut" / "exported")
     for (k, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
