@@ -12,7 +12,10 @@ import argparse
 import re
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    raise SystemExit("python -m tests.floors needs Python >= 3.11 (tomllib); run the floors check on 3.11+") from None
 
 ROOT = Path(__file__).resolve().parents[1]
 
