@@ -30,7 +30,7 @@ from tqdm import tqdm
 from decode.costmodel import CostModel, bootstrap_ci
 from decode.engine import Autoregressive, Decoder, Stats
 from decode.goals import goal_lines
-from decode.hf import hf_generate
+from decode.hf import head_assistant, hf_generate
 from decode.pair import Pair, Sampling, load_pair
 from decode.quality import quality
 from decode.report import pareto_plot, quality_plot, table
@@ -86,16 +86,23 @@ def expand(raw: dict, suffix: str = "") -> list[Method]:
     return out
 
 
-def generator_for(pair: Pair, m: Method, seed: int):
-    """(ids, n) -> (tokens, Stats) for one method; a fresh decoder per call so every run starts alike."""
-    if m.kind == "hf":
-        return lambda ids, n: hf_generate(pair, ids, n, m.hf, seed)
-    if m.kind in ("target", "draft"):
-        return lambda ids, n: (lambda g: (g.tokens, g.stats))(Autoregressive(pair, m.kind, seed).generate(ids, n))
-    policy, rule = build(m.policy), build(m.rule)
-    dec = Decoder(pair, policy, rule, seed=seed)
+def generator_for(pair: Pair, m: Method):
+    """(ids, n, seed) -> (tokens, Stats) for one method, built once per section (heads load once).
 
-    def run(ids, n):
+    The decoder's generator is reseeded on every call, so every run starts alike.
+    """
+    if m.kind == "hf":
+        assistant = head_assistant(pair, m.hf)
+        return lambda ids, n, seed: hf_generate(pair, ids, n, m.hf, seed, assistant)
+    if m.kind in ("target", "draft"):
+        def alone(ids, n, seed):
+            g = Autoregressive(pair, m.kind, seed).generate(ids, n)
+            return g.tokens, g.stats
+
+        return alone
+    dec = Decoder(pair, build(m.policy), build(m.rule), seed=0)
+
+    def run(ids, n, seed):
         dec.gen.manual_seed(seed)
         g = dec.generate(ids, n)
         return g.tokens, g.stats
@@ -107,12 +114,13 @@ def interleaved(pair: Pair, methods: list[Method], prompts: list[list[int]], n: 
                 label: str) -> dict[str, list[list[tuple[list[int], Stats]]]]:
     """name -> [prompt][repeat] -> (tokens, stats); methods back to back per prompt, order rotated."""
     out = {m.name: [[None] * repeats for _ in prompts] for m in methods}
+    runners = {m.name: generator_for(pair, m) for m in methods}
     bar = tqdm(total=len(prompts) * repeats * len(methods), desc=f"bench {label}")
     for r in range(repeats):
         for i, ids in enumerate(prompts):
             shift = (i + r) % len(methods)
             for m in methods[shift:] + methods[:shift]:
-                out[m.name][i][r] = generator_for(pair, m, seed + 1000 * r + i)(ids, n)
+                out[m.name][i][r] = runners[m.name](ids, n, seed + 1000 * r + i)
                 bar.update()
     bar.close()
     return out
@@ -146,7 +154,6 @@ def rows_of(pair: Pair, methods: list[Method], res: dict, prompts: list[list[int
             predicted = cost.predict_s(total.calls)
             row["cost_model_tokens_per_s"] = total.new_tokens / max(predicted, 1e-9)
             row["engine_efficiency"] = predicted / max(total.wall, 1e-9)
-        row.pop("calls", None)
         rows.append(row)
     return rows + random_allocation(rows)
 
@@ -201,7 +208,7 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     n, k_max = cfg["max_new_tokens"], max([m.policy.get("init_args", {}).get("k", 0) for m in methods
                                             if m.policy] + [20]) + 2
     cost = CostModel.measure(pair, prompts, min(k_max, 24))
-    generator_for(pair, methods[0], 0)(prompts[0], 8)  # warm-up
+    generator_for(pair, methods[0])(prompts[0], 8, 0)  # warm-up
     res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label)
     rows = rows_of(pair, methods, res, prompts, label, cost)
     target = next(r for r in rows if r["kind"] == "target")

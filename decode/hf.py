@@ -54,8 +54,7 @@ class HeadStop(StoppingCriteria):
         late = self.policy.reads_own_state
         stop = False
         if not late or self.steps > 1:
-            self.policy.survive *= self.policy.fast_prob(self.captured[0].float().numpy())
-            stop = 1.0 - self.policy.survive > self.policy.h
+            stop = self.policy.update(self.policy.fast_prob(self.captured[0].float().numpy()))
         self.head_s += time.perf_counter() - t0
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -108,8 +107,19 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
     return assistant
 
 
-def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int) -> tuple[list[int], Stats]:
-    """Hugging Face generate, assisted (hf: {'k': K}, {'confidence': c} or {'head': dir, 'h': h}) or not."""
+def head_assistant(pair: Pair, hf: dict):
+    """The assistant of an {'head': dir, 'h': h} method, or None: built once, so the head loads once."""
+    if "head" not in hf:
+        return None
+    return specdecpp_assistant(pair.draft, hf["head"], hf.get("h", 0.7), hf.get("max_len", 20), pair.tokenizer)
+
+
+def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assistant=None) -> tuple[list[int], Stats]:
+    """Hugging Face generate, assisted (hf: {'k': K}, {'confidence': c} or {'head': dir, 'h': h}) or not.
+
+    A head method reuses `assistant` (from head_assistant) when given; constant-K and confidence methods
+    set the draft's generation config on every call, since methods share one draft.
+    """
     s = pair.config.sampling
     kwargs = dict(max_new_tokens=n, min_new_tokens=0, pad_token_id=pair.tokenizer.eos_token_id,
                   do_sample=s.temperature > 0)
@@ -121,19 +131,20 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int) -> tupl
                              f"{pair.draft.config.vocab_size} and target {pair.target.config.vocab_size}: "
                              "drop the kind: hf methods from the bench config for this pair")
         if "head" in hf:
-            kwargs["assistant_model"] = specdecpp_assistant(pair.draft, hf["head"], hf.get("h", 0.7),
-                                                            hf.get("max_len", 20), pair.tokenizer)
+            kwargs["assistant_model"] = assistant or head_assistant(pair, hf)
         else:
             gc = pair.draft.generation_config
             gc.num_assistant_tokens = hf.get("k", 20)
             gc.num_assistant_tokens_schedule = "constant"
             gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
             kwargs["assistant_model"] = pair.draft
+    stop = getattr(kwargs.get("assistant_model"), "specdecpp_stop", None)
+    head_before = stop.head_s if stop else 0.0
     torch.manual_seed(seed)
     x = torch.tensor([ids])
     t0 = time.perf_counter()
     out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
     st = Stats(new_tokens=len(out), wall=time.perf_counter() - t0)
-    if "assistant_model" in kwargs and hasattr(kwargs["assistant_model"], "specdecpp_stop"):
-        st.t_head = kwargs["assistant_model"].specdecpp_stop.head_s
+    if stop:
+        st.t_head = stop.head_s - head_before
     return out, st

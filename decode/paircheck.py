@@ -113,12 +113,13 @@ def curve(pair: Pair, texts: list[str], snapshots: Path) -> None:
     import dataclasses
 
     from decode.pair import ModelSpec, load_model
+    from train.pycode_pair import parse_snapshot
 
     rows = []
-    for snap in sorted(snapshots.glob("*-[0-9]*")):
-        which, step = snap.name.rsplit("-", 1)
-        if which not in ("draft", "target") or snap.name.endswith(".tmp"):
+    for snap in sorted(snapshots.iterdir()):
+        if (parsed := parse_snapshot(snap)) is None:
             continue
+        which, step = parsed
         model = load_model(ModelSpec(str(snap), dtype="float32"))
         info = json.loads((snap / "training.json").read_text())
         f = heldout_figures(dataclasses.replace(pair, **{which: model}), texts)

@@ -160,9 +160,13 @@ class SpecDecPP(HeadPolicy):
     def reset(self):
         self.survive = 1.0
 
-    def stop(self, step):
-        self.survive *= self.prob(step)
+    def update(self, prob: float) -> bool:
+        """Fold in one candidate's acceptance probability; True once the round should stop."""
+        self.survive *= prob
         return 1.0 - self.survive > self.h
+
+    def stop(self, step):
+        return self.update(self.prob(step))
 
 
 class SprinterVerifier(HeadPolicy):

@@ -61,6 +61,12 @@ def _distribution_of(top: str, table: dict[str, list[str]]) -> str:
     return table.get(name, [name])[0]
 
 
+def _is_own(rel: Path, table: dict[str, list[str]]) -> bool:
+    """This project's own files (installed or editable shims): they would make the corpus depend on the install."""
+    top = rel.parts[0]
+    return top.startswith("__editable__") or "specheads" in table.get(top.removesuffix(".py"), [])
+
+
 def build_corpus(site_root: Path | None = None) -> Corpus:
     """Collect and filter the training texts (deterministic: sorted paths, content hashes)."""
     import importlib.metadata as md
@@ -75,7 +81,7 @@ def build_corpus(site_root: Path | None = None) -> Corpus:
     dist_table = md.packages_distributions()
     for path in sorted(site_root.rglob("*.py")):
         rel = path.relative_to(site_root)
-        if _SKIP_DIRS.intersection(rel.parts[:-1]) or rel.parts[0] in _SKIP_PACKAGES:
+        if _SKIP_DIRS.intersection(rel.parts[:-1]) or rel.parts[0] in _SKIP_PACKAGES or _is_own(rel, dist_table):
             corpus.dropped["test folder or excluded package"] += 1
             continue
         if path.stat().st_size > MAX_FILE_BYTES:

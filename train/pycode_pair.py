@@ -170,6 +170,17 @@ def loss_fn(model, teacher):
     return step
 
 
+def snapshot_dir(snapshots: Path, model: str, step: int) -> Path:
+    """Where a snapshot of `model` ("target" | "draft") at `step` lives: <snapshots>/<model>-<step:05d>."""
+    return snapshots / f"{model}-{step:05d}"
+
+
+def parse_snapshot(folder: Path) -> tuple[str, int] | None:
+    """(model, step) of a snapshot folder written by snapshot_dir, None for anything else."""
+    which, _, step = folder.name.rpartition("-")
+    return (which, int(step)) if which in ("draft", "target") and step.isdigit() else None
+
+
 def save_hf(model, tokenizer, folder: Path, info: dict | None = None) -> None:
     """Model as an fp16 Hugging Face folder (written aside, then renamed into place)."""
     tmp = folder.with_name(folder.name + ".tmp")
@@ -222,7 +233,7 @@ def train_lm(spec: LMSpec, tokenizer, streams: dict, corpus: dict, args, teacher
         bar.set_postfix(loss=f"{loss.item():.3f}")
         done = step + 1
         if done % snap_every == 0 and done < spec.steps:
-            save_hf(model, tokenizer, state / "snapshots" / f"{spec.name}-{done:05d}",
+            save_hf(model, tokenizer, snapshot_dir(state / "snapshots", spec.name, done),
                     {"step": done, "train_tokens": done * spec.batch * spec.context})
         if done % args.save_every == 0 and done < spec.steps:
             st = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": done,
@@ -240,7 +251,7 @@ def train_lm(spec: LMSpec, tokenizer, streams: dict, corpus: dict, args, teacher
     print(f"{spec.name}: {n_params / 1e6:.1f}M params, {info['train_tokens'] / 1e6:.2f}M tokens, "
           f"{seconds / 60:.1f} min, dev loss {info['dev_loss']:.3f} nats/token")
     save_hf(model, tokenizer, final, info)
-    save_hf(model, tokenizer, state / "snapshots" / f"{spec.name}-{spec.steps:05d}",
+    save_hf(model, tokenizer, snapshot_dir(state / "snapshots", spec.name, spec.steps),
             {"step": spec.steps, "train_tokens": info["train_tokens"]})
     state_path.unlink(missing_ok=True)
     return final
