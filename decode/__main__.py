@@ -3,6 +3,7 @@
     python -m decode generate --pair configs/pairs/pycode.yaml --head checkpoints/specdecpp --prompt "def add(a, b):"
     python -m decode generate --policy FixedK --policy.k 4 --rule FSD --rule.threshold 0.2 --prompt "import os"
     python -m decode bench --config configs/bench/pycode.yaml
+    python -m decode compare docs/bench/bench.csv runs/bench2/bench.csv
 
 Policies (decode.policies) and rules (decode.rules) are chosen by class name or class_path,
 with their typed init arguments; `--head DIR` alone means SpecDec++ stopping with that head.
@@ -106,18 +107,23 @@ def bench(argv: list[str]) -> None:
     ap.add_argument("--readme", type=lambda v: v.lower() in ("1", "true", "yes"), default=False,
                     help="also rewrite README.md's generated results block")
     ap.add_argument("--repeats", type=int, default=None, help="runs of every method per prompt (default: the YAML's)")
+    ap.add_argument("--output", default=None, help="output folder (default: the YAML's); a new one runs afresh")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats)
+    run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats, output=args.output)
 
 
 def main() -> None:
     # bench takes its own --config (the bench YAML), which jsonargparse would read as its own option.
     if len(sys.argv) > 1 and sys.argv[1] == "bench":
         return bench(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        from decode.compare import main as compare
+
+        return compare(sys.argv[2:])
     if len(sys.argv) < 2 or sys.argv[1] != "generate":
-        sys.exit("usage: python -m decode {generate,bench} ...  (see python -m decode generate --help)")
+        sys.exit("usage: python -m decode {generate,bench,compare} ...  (see python -m decode generate --help)")
     from jsonargparse import CLI, ArgumentError
 
     try:

@@ -221,12 +221,14 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     return rows
 
 
-def load_config(config: str, quick: bool, repeats: int | None) -> dict:
+def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "threads": 2, "quality_tolerance": 0.05,
            "output": "runs/bench"} | yaml.safe_load(path.read_text())
     if repeats is not None:
         cfg["repeats"] = repeats
+    if output is not None:
+        cfg["output"] = output
     if quick:  # a smoke run: few prompts, few methods, no dev sweep
         cfg["repeats"] = 1
         for ps in cfg["prompt_sets"]:
@@ -236,8 +238,9 @@ def load_config(config: str, quick: bool, repeats: int | None) -> dict:
     return cfg
 
 
-def run(config: str, quick: bool = False, readme: bool = False, repeats: int | None = None) -> list[dict]:
-    cfg = load_config(config, quick, repeats)
+def run(config: str, quick: bool = False, readme: bool = False, repeats: int | None = None,
+        output: str | None = None) -> list[dict]:
+    cfg = load_config(config, quick, repeats, output)
     torch.set_num_threads(cfg["threads"])
     pair = load_pair(cfg["pair"])
     out_dir = Path(cfg["output"]) if Path(cfg["output"]).is_absolute() else ROOT / cfg["output"]

@@ -104,3 +104,19 @@ def test_write_readme_replaces_only_the_generated_block(tmp_path):
     readme.write_text("no block")
     with pytest.raises(ValueError, match="no <!-- bench:start -->"):
         write_readme("x", readme)
+
+
+def test_compare_two_runs(tmp_path, capsys):
+    from decode.compare import main
+
+    head = "prompts,method,speedup,speedup_lo,speedup_hi\n"
+    (tmp_path / "a.csv").write_text(head + "p/test greedy,SD K=2,1.5,1.4,1.6\np/test greedy,SD K=4,1.8,1.7,1.9\n"
+                                    "p/test greedy,SpecDec++ h=0.5,1.9,1.8,2.0\n")
+    (tmp_path / "b.csv").write_text(head + "p/test greedy,SD K=2,1.55,1.45,1.65\np/test greedy,SD K=4,2.1,1.95,2.2\n"
+                                    "p/test greedy,SpecDec++ h=0.7,1.9,1.8,2.0\n")
+    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    out = capsys.readouterr().out
+    assert "| p/test greedy | SD K=2 |" in out and "| yes |" in out and "| **no** |" in out
+    assert out.count("one run only") == 2 and "1 of 2 shared rows" in out and "NOT met" in out
+    with pytest.raises(SystemExit, match="no such file"):
+        main([str(tmp_path / "a.csv"), str(tmp_path / "missing.csv")])

@@ -58,10 +58,13 @@ def test_committed_pycode_pair_metadata():
     assert pair.vocab == 4096
     d, t = pair.identity("draft"), pair.identity("target")
     assert (d["num_layers"], d["hidden_size"]) == (2, 128)
-    assert (t["num_layers"], t["hidden_size"]) == (8, 384)
-    for name in ("draft", "target"):
-        info = json.loads((ROOT / "checkpoints/pycode" / name / "training.json").read_text())
-        assert info["train_tokens"] > 1_000_000
+    assert (t["num_layers"], t["hidden_size"]) == (12, 256)
+    infos = {name: json.loads((ROOT / "checkpoints/pycode" / name / "training.json").read_text())
+             for name in ("draft", "target")}
+    for info in infos.values():  # reproducible: the corpus and the package versions are recorded
+        assert info["train_tokens"] > 5_000_000 and info["corpus"]["package_tokens"] > 10_000_000
+        assert info["corpus"]["distributions"]["torch"] and info["corpus"]["fingerprint"]
+    assert "KL" in infos["draft"]["objective"]  # the draft is distilled from the target
     # the target is the better model on held-out code
     assert json.loads((ROOT / "checkpoints/pycode/target/training.json").read_text())["dev_loss"] < \
         json.loads((ROOT / "checkpoints/pycode/draft/training.json").read_text())["dev_loss"]

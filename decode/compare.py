@@ -1,0 +1,58 @@
+"""Do two bench runs agree? python -m decode compare docs/bench/bench.csv runs/bench2/bench.csv
+
+Rows are matched by (prompt split, method); for each pair of rows the 95% speedup intervals must overlap.
+A threshold chosen on dev can differ between runs: such rows are listed as present in one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+
+def read_rows(path: Path) -> dict[tuple[str, str], dict]:
+    """bench.csv -> {(prompts, method): row} for rows with a speedup interval (test and dev splits)."""
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file; a bench run writes <output>/bench.csv")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and "speedup_lo" not in rows[0]:
+        raise SystemExit(f"{path} has no speedup_lo column: it was written by an older bench, run it again")
+    return {(r["prompts"], r["method"]): r for r in rows if r.get("speedup_lo") not in (None, "")}
+
+
+def overlap(a: dict, b: dict) -> bool:
+    """True when the two rows' 95% intervals share a point."""
+    return float(a["speedup_lo"]) <= float(b["speedup_hi"]) and float(b["speedup_lo"]) <= float(a["speedup_hi"])
+
+
+def compare_runs(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict]) -> tuple[list[str], int, int]:
+    """Markdown lines of the comparison, the number of shared rows, and how many of them overlap."""
+    fmt = lambda r: f"{float(r['speedup']):.3f} [{float(r['speedup_lo']):.3f}, {float(r['speedup_hi']):.3f}]"
+    lines = ["| prompts | method | run A | run B | intervals overlap |", "|---|---|---|---|---|"]
+    shared = [k for k in a if k in b]
+    agree = 0
+    for key in shared:
+        ok = overlap(a[key], b[key])
+        agree += ok
+        lines.append(f"| {key[0]} | {key[1]} | {fmt(a[key])} | {fmt(b[key])} | {'yes' if ok else '**no**'} |")
+    for key in [k for k in a if k not in b] + [k for k in b if k not in a]:
+        lines.append(f"| {key[0]} | {key[1]} | {fmt(a[key]) if key in a else '-'} | {fmt(b[key]) if key in b else '-'} "
+                     f"| one run only (chosen on dev) |")
+    return lines, len(shared), agree
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m decode compare", description=__doc__.splitlines()[0])
+    ap.add_argument("run_a", type=Path, help="bench.csv of the first run")
+    ap.add_argument("run_b", type=Path, help="bench.csv of the second run")
+    args = ap.parse_args(argv)
+    lines, shared, agree = compare_runs(read_rows(args.run_a), read_rows(args.run_b))
+    print("\n".join(lines))
+    print(f"\n{agree} of {shared} shared rows have overlapping 95% intervals "
+          f"(goal: all) — {'met' if agree == shared and shared else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
