@@ -136,25 +136,30 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
     """Draft pass over the response with candidates and mixing.
 
     (B, T) prompts, (B, N) responses, (B,) r per row -> dict of (B, N) candidate, z, from_target,
-    (B, N, V) q, and (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token).
+    (B, N, V) q, (B, N, V) q_raw (the softmax of the raw logits; None when the setting is plain T = 1,
+    where it equals q) and (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token).
     """
     s = pair.config.sampling
+    plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
     B, N = y.shape
     out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, output_hidden_states=True)
-    hidden, qs, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], []
+    hidden, qs, raws, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], [], []
     for t in range(N):
-        q = transform(pair.logits(out.logits[:, -1]), s)
+        logits = pair.logits(out.logits[:, -1])
+        q = transform(logits, s)
         c = gumbel_argmax(q, noise.candidate[:, t])
         from_target = noise.mix[:, t] < ratios
         z = torch.where(from_target, y[:, t], c)
         qs.append(q), cands.append(c), zs.append(z), froms.append(from_target)
+        if not plain:
+            raws.append(logits.float().softmax(-1))
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
         out = pair.draft(z[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:],
                          past_key_values=out.past_key_values, use_cache=True, output_hidden_states=True)
         hidden.append(out.hidden_states[-1][:, -1])
     return {
         "candidate": torch.stack(cands, 1), "z": torch.stack(zs, 1), "from_target": torch.stack(froms, 1),
-        "q": torch.stack(qs, 1), "hidden": torch.stack(hidden, 1),
+        "q": torch.stack(qs, 1), "q_raw": torch.stack(raws, 1) if raws else None, "hidden": torch.stack(hidden, 1),
     }
 
 
@@ -171,7 +176,7 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
     logits = pair.target(seq, attention_mask=full_mask, position_ids=positions(full_mask)).logits
     T = x.shape[1]
     p = transform(pair.logits(logits[:, T - 1 : -1]), pair.config.sampling)
-    stats = position_stats(p, walk["q"], walk["candidate"])
+    stats = position_stats(p, walk["q"], walk["candidate"], walk["q_raw"])
     records, feats = [], []
     rows = {"y": y, "z": walk["z"], "candidate": walk["candidate"], "from_target": walk["from_target"]} | stats
     rows = {k: v.tolist() for k, v in rows.items()}  # one conversion per column, not per record

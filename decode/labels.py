@@ -85,14 +85,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.sum() / mask.sum().clamp_min(1)
 
 
-def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor) -> dict[str, torch.Tensor]:
-    """(..., V) p, (..., V) q, (...) draft candidates -> dict of (...) per-position quantities.
+def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor,
+                   q_raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """(..., V) p, (..., V) q, (...) draft candidates [, (..., V) q_raw] -> dict of (...) per-position quantities.
 
     The same values as kl, js, tv, entropy and expected_acceptance above, with the shared terms
     (p log p, q log q, the logs of p, q and their mixture) computed once per position.
+    The draft's confidence (q_cand, draft_top1, draft_entropy) comes from q_raw, the softmax of its raw
+    logits, when given: that is what the decoder's confidence rules and head features read, and under
+    greedy decoding the transformed q is one-hot and says nothing. The labels always use q.
     """
     p_c = p.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
     q_c = q.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
+    conf = q if q_raw is None else q_raw
     plogp, qlogq = torch.xlogy(p, p), torch.xlogy(q, q)
     m = 0.5 * (p + q)
     h_p, h_q = -plogp.sum(-1), -qlogq.sum(-1)
@@ -102,7 +107,7 @@ def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor) -> dict
     kl_qp = (-h_q - torch.xlogy(q, p).sum(-1)).nan_to_num(nan=math.inf, posinf=math.inf)
     return {
         "p_cand": p_c,
-        "q_cand": q_c,
+        "q_cand": q_c if q_raw is None else q_raw.gather(-1, cand.unsqueeze(-1)).squeeze(-1),
         "alpha": accept_prob(p_c, q_c),
         "ratio_qp": sprinter_ratio(p_c, q_c),
         "kl": kl_pq,
@@ -111,6 +116,6 @@ def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor) -> dict
         "tv": tv_val,
         "expected_accept": torch.minimum(p, q).sum(-1),
         "target_entropy": h_p,
-        "draft_entropy": h_q,
-        "draft_top1": q.max(-1).values,
+        "draft_entropy": h_q if q_raw is None else entropy(q_raw),
+        "draft_top1": conf.max(-1).values,
     }

@@ -166,6 +166,9 @@ def test_each_sampling_setting_gets_its_own_labels_and_greedy_labels_are_argmax_
         n = len(row["prompt_ids"])
         best = pair.logits(logits[n - 1 : n - 1 + len(row["z"])]).argmax(-1)
         assert torch.equal(alpha.bool(), torch.tensor(row["candidate"]) == best)
+        # the draft's confidence is its raw softmax, as the decoder reads it, not the one-hot greedy q
+        top1, conf = torch.tensor(row["draft_top1"]), torch.tensor(row["q_cand"])
+        assert (top1 < 1).all() and torch.allclose(conf, top1) and (torch.tensor(row["draft_entropy"]) > 0).all()
         n_labels += len(alpha)
     assert n_labels > 20
     warm_alpha = torch.tensor([a for r in load_split(warm, "jsonl_train")["alpha"] for a in r])
