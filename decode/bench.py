@@ -55,6 +55,11 @@ class Method:
     select: str = ""  # "dev": the grid is a threshold sweep, chosen on the dev split
 
     @property
+    def head_dir(self) -> str | None:
+        """The exported head this method reads, if any."""
+        return (self.policy or {}).get("init_args", {}).get("head_dir") or self.hf.get("head")
+
+    @property
     def lossless(self) -> bool:
         if self.kind != "spec":
             return True
@@ -221,6 +226,18 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     return rows
 
 
+def head_lines(methods: list[Method]) -> list[str]:
+    """One line per head a section uses: its setting and dev AUROC beside the draft confidence's, same event."""
+    lines = []
+    for head in dict.fromkeys(m.head_dir for m in methods if m.head_dir):
+        cfg = json.loads((ROOT / head / "config.json").read_text())  # ROOT / an absolute path is that path
+        m = cfg["metrics"]
+        lines.append(f"- head `{head}` (trained for {Sampling(**cfg['sampling']).name}, {cfg['label']['family']}): "
+                     f"dev AUROC {m['auroc']:.3f}, draft confidence {m['draft_confidence_auroc']:.3f} "
+                     f"for the same event ({m['positions']} positions)")
+    return lines
+
+
 def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "threads": 2, "quality_tolerance": 0.05,
@@ -265,7 +282,7 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             label = f"{ps['name']}/test {setting.name}"
             rows = run_split(sec_pair, label, encode_prompts(sec_pair, ps["test"], cfg["max_new_tokens"]), methods,
                              cfg, out_dir / "sections")
-            lines = goal_lines(rows, cfg.get("goals", []))
+            lines = head_lines(methods) + goal_lines(rows, cfg.get("goals", []))
             print("\n".join(lines), flush=True)
             pareto_plot(rows, out_dir / f"pareto_{stem}.png", label)
             quality_plot(rows, out_dir / f"speed_quality_{stem}.png", label)

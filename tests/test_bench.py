@@ -120,3 +120,20 @@ def test_compare_two_runs(tmp_path, capsys):
     assert out.count("one run only") == 2 and "1 of 2 shared rows" in out and "NOT met" in out
     with pytest.raises(SystemExit, match="no such file"):
         main([str(tmp_path / "a.csv"), str(tmp_path / "missing.csv")])
+
+
+def test_each_section_names_its_heads_with_their_dev_auroc(tmp_path):
+    import json
+
+    from decode.bench import Method, head_lines
+
+    head = tmp_path / "specdecpp-greedy"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({
+        "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "label": {"family": "SoftAcceptance"},
+        "metrics": {"auroc": 0.8056, "draft_confidence_auroc": 0.7712, "positions": 6277}}))
+    policy = {"class_path": "decode.policies.SpecDecPP", "init_args": {"head_dir": str(head)}}
+    lines = head_lines([Method("SD K=2", policy={"class_path": "decode.policies.FixedK"}),
+                        Method("SpecDec++ h=0.5", policy=policy), Method("HF + head", kind="hf", hf={"head": str(head)})])
+    assert lines == [f"- head `{head}` (trained for greedy, SoftAcceptance): dev AUROC 0.806, draft confidence 0.771 "
+                     "for the same event (6277 positions)"]
