@@ -116,8 +116,11 @@ def generator_for(pair: Pair, m: Method):
 
 
 def interleaved(pair: Pair, methods: list[Method], prompts: list[list[int]], n: int, seed: int, repeats: int,
-                label: str) -> dict[str, list[list[tuple[list[int], Stats]]]]:
-    """name -> [prompt][repeat] -> (tokens, stats); methods back to back per prompt, order rotated."""
+                label: str, between=None) -> dict[str, list[list[tuple[list[int], Stats]]]]:
+    """name -> [prompt][repeat] -> (tokens, stats); methods back to back per prompt, order rotated.
+
+    `between(done, total)` is called after each prompt (the cost model re-measures itself there).
+    """
     out = {m.name: [[None] * repeats for _ in prompts] for m in methods}
     runners = {m.name: generator_for(pair, m) for m in methods}
     bar = tqdm(total=len(prompts) * repeats * len(methods), desc=f"bench {label}")
@@ -127,6 +130,8 @@ def interleaved(pair: Pair, methods: list[Method], prompts: list[list[int]], n: 
             for m in methods[shift:] + methods[:shift]:
                 out[m.name][i][r] = runners[m.name](ids, n, seed + 1000 * r + i)
                 bar.update()
+            if between is not None:
+                between(r * len(prompts) + i + 1, repeats * len(prompts))
     bar.close()
     return out
 
@@ -149,7 +154,7 @@ def rows_of(pair: Pair, methods: list[Method], res: dict, prompts: list[list[int
         ratios = np.array([[tps(x) for x in per] for per in runs]) / base_tps
         lo, hi = bootstrap_ci(ratios)
         row = {"prompts": label, "method": m.name, "kind": m.kind, "family": m.family or m.kind, **total.summary(),
-               "speedup": float(ratios.mean()), "speedup_lo": lo, "speedup_hi": hi,
+               "speedup": float(ratios.mean()), "speedup_lo": lo, "speedup_hi": hi, "ratios": ratios.tolist(),
                **quality(pair, prompts, [per[0][0] for per in runs])}
         row["target_calls_per_token"] = row["verification_rate"]
         if m.kind == "hf":  # Hugging Face does not report its calls: no figure rather than a wrong one
@@ -212,12 +217,20 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
         return saved["rows"]
     n, k_max = cfg["max_new_tokens"], max([m.policy.get("init_args", {}).get("k", 0) for m in methods
                                             if m.policy] + [20]) + 2
-    cost = CostModel.measure(pair, prompts, min(k_max, 24))
+    n_max = min(k_max, 24)
+    costs = [CostModel.measure(pair, prompts, n_max)]
+
+    def remeasure(done: int, total: int) -> None:  # after each quarter of the work
+        if done * 4 // total > (done - 1) * 4 // total:
+            costs.append(CostModel.measure(pair, prompts, n_max))
+
     generator_for(pair, methods[0])(prompts[0], 8, 0)  # warm-up
-    res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label)
+    res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label, remeasure)
+    cost = CostModel.mean(costs)
     rows = rows_of(pair, methods, res, prompts, label, cost)
     target = next(r for r in rows if r["kind"] == "target")
-    note = (f"cost model: {cost.describe()}; target alone measured/predicted time "
+    note = (f"cost model (mean of {len(costs)} measurements through the section): {cost.describe()}; "
+            f"target alone measured/predicted time "
             f"{1 / target['engine_efficiency']:.3f} (goal within 10%)")
     print(f"\n## {label}: {len(prompts)} prompts x {cfg['repeats']} repeats, {n} new tokens\n\n{note}\n\n{table(rows)}",
           flush=True)

@@ -1,6 +1,7 @@
 """A measured cost model of the pair, and bootstrap intervals for paired speedups.
 
-The cost model times each model's forward directly, at the start of a bench run: one cached
+The cost model times each model's forward directly, at the start of a bench section and again after each
+quarter of its prompts (the mean is used, so drift during the section falls on it as on the runs): one cached
 forward of n = 1 .. n_max new tokens after a prompt of typical length (median of repeats), and the
 prefill of prompts at a few lengths (interpolated). A generation's predicted time is the sum over its
 exact call log (decode.engine.Stats.calls), so measured / predicted shows what the engine loses to
@@ -64,6 +65,14 @@ class CostModel:
             cm.step[name] = [_forward_ms(model, typical, n, repeats) for n in range(1, n_max + 1)]
             cm.prefill[name] = (picks, [_prefill_ms(model, torch.tensor([by_len[n]]), 3) for n in picks])
         return cm
+
+    @classmethod
+    def mean(cls, models: list[CostModel]) -> CostModel:
+        """Entry-wise mean of several measurements: taken through a run, machine drift averages out."""
+        step = {k: np.mean([m.step[k] for m in models], axis=0).tolist() for k in models[0].step}
+        prefill = {k: (models[0].prefill[k][0], np.mean([m.prefill[k][1] for m in models], axis=0).tolist())
+                   for k in models[0].prefill}
+        return cls(step=step, prefill=prefill)
 
     def call_ms(self, model: str, n: int) -> float:
         """Predicted ms of one forward of n tokens: the step table, else the prefill curve."""

@@ -4,11 +4,18 @@ Goals are listed in the bench YAML, e.g.
     - {kind: beats, name: "SpecDec++ beats the best fixed-K SD", a: specdec++, b: fixed-K}
     - {kind: each, name: "our SD at least as fast as HF assisted at each K", a: "SD K={v}", b: "HF K={v}", values: [1, 2]}
     - {kind: gap, name: "share of the fixed-K-to-oracle gap SpecDec++ closes", a: specdec++, b: fixed-K, oracle: oracle}
-`beats` compares the fastest row of family a with the fastest of family b; a goal is met only when
-a's 95% interval lies above b's, not met when it lies below, and otherwise the rows are not separated.
+`beats` compares the fastest row of family a with the fastest of family b. Rows that ran on the same prompts
+are compared paired: the 95% bootstrap interval of the per-prompt ratio a/b (prompt-to-prompt differences,
+which both rows share, cancel, so a few percent can be told from noise). A goal is met when that interval
+lies above 1, not met when below, and otherwise the rows are not separated. Rows without per-prompt ratios
+(an older bench) fall back to comparing their two speedup intervals.
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+from decode.costmodel import bootstrap_ci
 
 
 def _best(rows: list[dict], family: str) -> dict | None:
@@ -20,8 +27,21 @@ def _fmt(r: dict) -> str:
     return f"{r['method']} {r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]"
 
 
+def paired(a: dict, b: dict) -> tuple[float, float, float] | None:
+    """(mean, lo, hi) of the per-prompt ratio a/b, or None when the rows lack matching per-prompt ratios."""
+    ra, rb = np.asarray(a.get("ratios") or [], dtype=float), np.asarray(b.get("ratios") or [], dtype=float)
+    if ra.size == 0 or ra.shape != rb.shape:
+        return None
+    rel = ra / rb
+    return (float(rel.mean()), *bootstrap_ci(rel))
+
+
 def compare(a: dict, b: dict) -> str:
-    """'met' if a's interval is above b's, 'NOT met' if below, else 'not separated'."""
+    """'met' if a is faster than b beyond the 95% interval, 'NOT met' if slower, else 'not separated'."""
+    if (rel := paired(a, b)) is not None:
+        mean, lo, hi = rel
+        verdict = "met" if lo > 1 else "NOT met" if hi < 1 else "not separated"
+        return f"{verdict} (paired a/b {mean:.3f} [{lo:.3f}, {hi:.3f}])"
     if a["speedup_lo"] > b["speedup_hi"]:
         return "met"
     if a["speedup_hi"] < b["speedup_lo"]:
@@ -44,12 +64,12 @@ def goal_line(rows: list[dict], goal: dict) -> str | None:
         if not pairs:
             return None
         verdicts = [compare(a, b) for a, b in pairs]
-        met = sum(v == "met" for v in verdicts)
-        lost = sum(v == "NOT met" for v in verdicts)
+        met = sum(v.startswith("met") for v in verdicts)
+        lost = sum(v.startswith("NOT met") for v in verdicts)
         overall = "met" if met == len(pairs) else "NOT met" if lost else "not separated at every value"
         detail = "; ".join(f"{a['method']} {a['speedup']:.2f}x vs {b['method']} {b['speedup']:.2f}x ({v})"
                            for (a, b), v in zip(pairs, verdicts))
-        return f"- **{name}** — {overall} ({met} of {len(pairs)} above the interval): {detail}"
+        return f"- **{name}** — {overall} ({met} of {len(pairs)} faster beyond the interval): {detail}"
     if kind == "gap":
         a, b = _best(rows, goal["a"]), _best(rows, goal["b"])
         o = next((r for r in rows if r.get("family") == goal["oracle"]), None)

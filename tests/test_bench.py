@@ -137,3 +137,33 @@ def test_each_section_names_its_heads_with_their_dev_auroc(tmp_path):
                         Method("SpecDec++ h=0.5", policy=policy), Method("HF + head", kind="hf", hf={"head": str(head)})])
     assert lines == [f"- head `{head}` (trained for greedy, SoftAcceptance): dev AUROC 0.806, draft confidence 0.771 "
                      "for the same event (6277 positions)"]
+
+
+def test_paired_goals_tell_a_five_percent_difference_the_row_intervals_cannot():
+    import numpy as np
+
+    from decode.costmodel import bootstrap_ci
+    from decode.goals import goal_lines
+
+    rng = np.random.default_rng(0)
+    prompt = rng.uniform(0.7, 1.5, size=(40, 1))  # prompts differ far more than the methods do
+    a = prompt * 1.05 * (1 + 0.01 * rng.standard_normal((40, 1)))
+    b = prompt * (1 + 0.01 * rng.standard_normal((40, 1)))
+    rows = [{"method": m, "family": m, "speedup": float(r.mean()), "ratios": r.tolist(),
+             **dict(zip(("speedup_lo", "speedup_hi"), bootstrap_ci(r)))} for m, r in (("A", a), ("B", b))]
+    assert rows[0]["speedup_lo"] < rows[1]["speedup_hi"]  # the rows' own intervals overlap
+    met, lost = goal_lines(rows, [{"kind": "beats", "name": "A beats B", "a": "A", "b": "B"},
+                                  {"kind": "beats", "name": "B beats A", "a": "B", "b": "A"}])
+    assert "— met (paired a/b 1.05" in met and "— NOT met (paired a/b 0.95" in lost
+    same = [r | {"method": r["method"] + "'", "family": "S" + r["family"], "ratios": b.tolist()} for r in rows]
+    assert "not separated (paired" in goal_lines(same, [{"kind": "beats", "name": "x", "a": "SA", "b": "SB"}])[0]
+
+
+def test_cost_model_mean_of_measurements_through_a_section():
+    from decode.costmodel import CostModel
+
+    a = CostModel(step={"draft": [1.0], "target": [6.0, 7.0]}, prefill={"target": ([10, 30], [10.0, 30.0])})
+    b = CostModel(step={"draft": [2.0], "target": [8.0, 9.0]}, prefill={"target": ([10, 30], [12.0, 34.0])})
+    m = CostModel.mean([a, b])
+    assert m.step == {"draft": [1.5], "target": [7.0, 8.0]} and m.prefill["target"] == ([10, 30], [11.0, 32.0])
+    assert abs(m.predict_s([("draft", 1), ("target", 2), ("target", 20)]) - 1e-3 * (1.5 + 8.0 + 21.5)) < 1e-12
