@@ -5,10 +5,10 @@ Goals are listed in the bench YAML, e.g.
     - {kind: each, name: "our SD at least as fast as HF assisted at each K", a: "SD K={v}", b: "HF K={v}", values: [1, 2]}
     - {kind: gap, name: "share of the fixed-K-to-oracle gap SpecDec++ closes", a: specdec++, b: fixed-K, oracle: oracle}
 `beats` compares the fastest row of family a with the fastest of family b. Rows that ran on the same prompts
-are compared paired: the 95% bootstrap interval of the per-prompt ratio a/b (prompt-to-prompt differences,
-which both rows share, cancel, so a few percent can be told from noise). A goal is met when that interval
-lies above 1, not met when below, and otherwise the rows are not separated. Rows without per-prompt ratios
-(an older bench) fall back to comparing their two speedup intervals.
+are compared paired: the 95% bootstrap interval of the geometric mean of the per-prompt ratio a/b
+(prompt-to-prompt differences, which both rows share, cancel, so a few percent can be told from noise).
+A goal is met when that interval lies above 1, not met when below, and otherwise the rows are not
+separated. Rows without per-prompt ratios (an older bench) fall back to comparing their two intervals.
 """
 
 from __future__ import annotations
@@ -28,12 +28,17 @@ def _fmt(r: dict) -> str:
 
 
 def paired(a: dict, b: dict) -> tuple[float, float, float] | None:
-    """(mean, lo, hi) of the per-prompt ratio a/b, or None when the rows lack matching per-prompt ratios."""
+    """(geometric mean, lo, hi) of the per-prompt ratio a/b, or None without matching per-prompt ratios.
+
+    Geometric, because an arithmetic mean of ratios is not symmetric: with sampled outputs of different
+    lengths a few prompts give large ratios, and both a/b and b/a could then average above 1.
+    """
     ra, rb = np.asarray(a.get("ratios") or [], dtype=float), np.asarray(b.get("ratios") or [], dtype=float)
     if ra.size == 0 or ra.shape != rb.shape:
         return None
-    rel = ra / rb
-    return (float(rel.mean()), *bootstrap_ci(rel))
+    log_rel = np.log(ra / rb)
+    lo, hi = bootstrap_ci(log_rel)
+    return float(np.exp(log_rel.mean())), float(np.exp(lo)), float(np.exp(hi))
 
 
 def compare(a: dict, b: dict) -> str:

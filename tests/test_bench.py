@@ -167,3 +167,13 @@ def test_cost_model_mean_of_measurements_through_a_section():
     m = CostModel.mean([a, b])
     assert m.step == {"draft": [1.5], "target": [7.0, 8.0]} and m.prefill["target"] == ([10, 30], [11.0, 32.0])
     assert abs(m.predict_s([("draft", 1), ("target", 2), ("target", 20)]) - 1e-3 * (1.5 + 8.0 + 21.5)) < 1e-12
+
+
+def test_paired_goals_are_symmetric_when_a_few_prompts_have_large_ratios():
+    from decode.goals import paired
+
+    a = [[1.0]] * 8 + [[4.0]] * 2  # a wins big on two prompts
+    b = [[2.0]] * 8 + [[1.0]] * 2  # b wins by 2x on eight
+    ab, ba = paired({"ratios": a}, {"ratios": b}), paired({"ratios": b}, {"ratios": a})
+    assert abs(ab[0] * ba[0] - 1) < 1e-12 and ab[0] < 1 < ba[0]  # one of them wins, not both
+    assert abs(ab[1] * ba[2] - 1) < 1e-9 and abs(ab[2] * ba[1] - 1) < 1e-9
