@@ -34,7 +34,7 @@ def paired(a: dict, b: dict) -> tuple[float, float, float] | None:
     lengths a few prompts give large ratios, and both a/b and b/a could then average above 1.
     """
     ra, rb = np.asarray(a.get("ratios") or [], dtype=float), np.asarray(b.get("ratios") or [], dtype=float)
-    if ra.size == 0 or ra.shape != rb.shape:
+    if ra.size == 0 or ra.shape != rb.shape or (ra <= 0).any() or (rb <= 0).any():  # an empty output has no log
         return None
     log_rel = np.log(ra / rb)
     lo, hi = bootstrap_ci(log_rel)
