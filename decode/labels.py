@@ -107,7 +107,7 @@ def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor,
     kl_qp = (-h_q - torch.xlogy(q, p).sum(-1)).nan_to_num(nan=math.inf, posinf=math.inf)
     return {
         "p_cand": p_c,
-        "q_cand": q_c if q_raw is None else q_raw.gather(-1, cand.unsqueeze(-1)).squeeze(-1),
+        "q_cand": conf.gather(-1, cand.unsqueeze(-1)).squeeze(-1),
         "alpha": accept_prob(p_c, q_c),
         "ratio_qp": sprinter_ratio(p_c, q_c),
         "kl": kl_pq,
