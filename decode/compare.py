@@ -2,6 +2,8 @@
 
 Rows are matched by (prompt split, method); for each pair of rows the 95% speedup intervals must overlap.
 A threshold chosen on dev can differ between runs: such rows are listed as present in one run only.
+`--split test` keeps the test rows only (for a second run that reused the first run's dev sweep from
+its section cache, whose dev rows are the same numbers and would agree trivially).
 """
 
 from __future__ import annotations
@@ -10,21 +12,19 @@ import argparse
 import csv
 from pathlib import Path
 
+from decode.goals import interval_order
 
-def read_rows(path: Path) -> dict[tuple[str, str], dict]:
-    """bench.csv -> {(prompts, method): row} for rows with a speedup interval (test and dev splits)."""
+
+def read_rows(path: Path, split: str | None = None) -> dict[tuple[str, str], dict]:
+    """bench.csv -> {(prompts, method): row} for rows with a speedup interval, of one split or all."""
     if not path.is_file():
         raise SystemExit(f"{path}: no such file; a bench run writes <output>/bench.csv")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     if rows and "speedup_lo" not in rows[0]:
         raise SystemExit(f"{path} has no speedup_lo column: it was written by an older bench, run it again")
-    return {(r["prompts"], r["method"]): r for r in rows if r.get("speedup_lo") not in (None, "")}
-
-
-def overlap(a: dict, b: dict) -> bool:
-    """True when the two rows' 95% intervals share a point."""
-    return float(a["speedup_lo"]) <= float(b["speedup_hi"]) and float(b["speedup_lo"]) <= float(a["speedup_hi"])
+    return {(r["prompts"], r["method"]): r for r in rows if r.get("speedup_lo") not in (None, "")
+            and (split is None or f"/{split} " in r["prompts"])}
 
 
 def compare_runs(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict]) -> tuple[list[str], int, int]:
@@ -34,7 +34,7 @@ def compare_runs(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict])
     shared = [k for k in a if k in b]
     agree = 0
     for key in shared:
-        ok = overlap(a[key], b[key])
+        ok = interval_order(a[key], b[key]) == 0
         agree += ok
         lines.append(f"| {key[0]} | {key[1]} | {fmt(a[key])} | {fmt(b[key])} | {'yes' if ok else '**no**'} |")
     for key in [k for k in a if k not in b] + [k for k in b if k not in a]:
@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m decode compare", description=__doc__.splitlines()[0])
     ap.add_argument("run_a", type=Path, help="bench.csv of the first run")
     ap.add_argument("run_b", type=Path, help="bench.csv of the second run")
+    ap.add_argument("--split", choices=["dev", "test"], help="compare only the rows of this prompt split")
     args = ap.parse_args(argv)
-    lines, shared, agree = compare_runs(read_rows(args.run_a), read_rows(args.run_b))
+    lines, shared, agree = compare_runs(read_rows(args.run_a, args.split), read_rows(args.run_b, args.split))
     print("\n".join(lines))
     print(f"\n{agree} of {shared} shared rows have overlapping 95% intervals "
           f"(goal: all) — {'met' if agree == shared and shared else 'NOT met'}")

@@ -41,17 +41,19 @@ def paired(a: dict, b: dict) -> tuple[float, float, float] | None:
     return float(np.exp(log_rel.mean())), float(np.exp(lo)), float(np.exp(hi))
 
 
+def interval_order(a: dict, b: dict) -> int:
+    """+1 if a's 95% speedup interval lies above b's, -1 if below, 0 if the two share a point."""
+    a_lo, a_hi, b_lo, b_hi = (float(x) for x in (a["speedup_lo"], a["speedup_hi"], b["speedup_lo"], b["speedup_hi"]))
+    return 1 if a_lo > b_hi else -1 if a_hi < b_lo else 0
+
+
 def compare(a: dict, b: dict) -> str:
     """'met' if a is faster than b beyond the 95% interval, 'NOT met' if slower, else 'not separated'."""
     if (rel := paired(a, b)) is not None:
         mean, lo, hi = rel
         verdict = "met" if lo > 1 else "NOT met" if hi < 1 else "not separated"
         return f"{verdict} (paired a/b {mean:.3f} [{lo:.3f}, {hi:.3f}])"
-    if a["speedup_lo"] > b["speedup_hi"]:
-        return "met"
-    if a["speedup_hi"] < b["speedup_lo"]:
-        return "NOT met"
-    return "not separated (intervals overlap)"
+    return {1: "met", -1: "NOT met", 0: "not separated (intervals overlap)"}[interval_order(a, b)]
 
 
 def goal_line(rows: list[dict], goal: dict) -> str | None:

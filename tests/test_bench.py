@@ -118,6 +118,13 @@ def test_compare_two_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| p/test greedy | SD K=2 |" in out and "| yes |" in out and "| **no** |" in out
     assert out.count("one run only") == 2 and "1 of 2 shared rows" in out and "NOT met" in out
+    dev = "p/dev greedy,SD K=2,1.0,0.9,1.1\n"
+    (tmp_path / "a.csv").write_text((tmp_path / "a.csv").read_text() + dev)
+    (tmp_path / "b.csv").write_text((tmp_path / "b.csv").read_text() + dev)
+    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    assert "2 of 3 shared rows" in capsys.readouterr().out
+    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--split", "test"])
+    assert "1 of 2 shared rows" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no such file"):
         main([str(tmp_path / "a.csv"), str(tmp_path / "missing.csv")])
 
