@@ -218,11 +218,11 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     n, k_max = cfg["max_new_tokens"], max([m.policy.get("init_args", {}).get("k", 0) for m in methods
                                             if m.policy] + [20]) + 2
     n_max = min(k_max, 24)
-    costs = [CostModel.measure(pair, prompts, n_max)]
+    costs = [CostModel.measure(pair, prompts, n_max, cfg["cost_repeats"], growth=n)]
 
     def remeasure(done: int, total: int) -> None:  # after each quarter of the work
         if done * 4 // total > (done - 1) * 4 // total:
-            costs.append(CostModel.measure(pair, prompts, n_max))
+            costs.append(CostModel.measure(pair, prompts, n_max, cfg["cost_repeats"], growth=n, seed=len(costs)))
 
     generator_for(pair, methods[0])(prompts[0], 8, 0)  # warm-up
     res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label, remeasure)
@@ -253,14 +253,14 @@ def head_lines(methods: list[Method]) -> list[str]:
 
 def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config
-    cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "threads": 2, "quality_tolerance": 0.05,
+    cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "cost_repeats": 7, "threads": 2, "quality_tolerance": 0.05,
            "output": "runs/bench"} | yaml.safe_load(path.read_text())
     if repeats is not None:
         cfg["repeats"] = repeats
     if output is not None:
         cfg["output"] = output
-    if quick:  # a smoke run: few prompts, few methods, no dev sweep
-        cfg["repeats"] = 1
+    if quick:  # a smoke run: few prompts, few methods, no dev sweep, a coarse cost model
+        cfg["repeats"], cfg["cost_repeats"] = 1, 3
         for ps in cfg["prompt_sets"]:
             for split in ("dev", "test"):
                 if split in ps:
@@ -270,6 +270,7 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
 
 def run(config: str, quick: bool = False, readme: bool = False, repeats: int | None = None,
         output: str | None = None) -> list[dict]:
+    t_start = time.perf_counter()
     cfg = load_config(config, quick, repeats, output)
     torch.set_num_threads(cfg["threads"])
     pair = load_pair(cfg["pair"])
@@ -302,6 +303,7 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             md += [f"### {label}", table(rows), "\n".join(lines)]
             all_rows += rows
     write_outputs(out_dir, all_rows + dev_rows, md, dev_md, config, quick, readme)
+    print(f"bench took {(time.perf_counter() - t_start) / 60:.1f} min (a section resumed from its cache adds nothing)")
     return all_rows
 
 

@@ -1,15 +1,20 @@
 """A measured cost model of the pair, and bootstrap intervals for paired speedups.
 
-The cost model times each model's forward directly, at the start of a bench section and again after each
-quarter of its prompts (the mean is used, so drift during the section falls on it as on the runs): one cached
-forward of n = 1 .. n_max new tokens after a prompt of typical length (median of repeats), and the
-prefill of prompts at a few lengths (interpolated). A generation's predicted time is the sum over its
-exact call log (decode.engine.Stats.calls), so measured / predicted shows what the engine loses to
-everything that is not a model forward, and the table can be re-costed for another hardware ratio.
+The cost model times each model's forward the way decoding runs it, at the start of a bench section and again
+after each quarter of its prompts (the mean is used, so drift during the section falls on it as on the runs):
+a cached forward of n new tokens, with the cache growing through the generation's length, in two states:
+right after a forward of the same model ("warm") and right after the other model's ("switched": a small
+model can run slower once a large one has evicted its weights and cache; describe() prints both). Every n up
+to 9 is timed, a sparse tail beyond (linear between), each cell in a seeded shuffled order so slow spells of
+the machine fall on all cells alike; the prefill of prompts at a few lengths is timed too (interpolated).
+A generation's predicted time is the sum over its ordered call log (decode.engine.Stats.calls), each call
+costed in the state it ran in, so measured / predicted shows what the engine loses to everything that is not
+a model forward, and the table can be re-costed for another hardware ratio.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -17,20 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+MODELS = ("draft", "target")
 
-@torch.no_grad()
-def _forward_ms(model, prefix: torch.Tensor, n: int, repeats: int) -> float:
-    """Median ms of one forward of n new tokens after a cached (1, T) prefix."""
-    out = model(prefix, use_cache=True)
-    cache = out.past_key_values
-    x = prefix[:, -n:] if prefix.shape[1] >= n else prefix.repeat(1, n)[:, :n]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model(x, past_key_values=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-        cache.crop(-n)  # negative: drop the n tokens just added
-    return 1e3 * statistics.median(times)
+
+def _grid(n_max: int) -> list[int]:
+    """Token counts to time: every n up to 9 (the verify sizes of fixed-K rounds), then a sparse tail, linear between."""
+    return sorted({*range(1, min(n_max, 9) + 1), *range(12, n_max, 4), n_max})
 
 
 @torch.no_grad()
@@ -43,39 +40,75 @@ def _prefill_ms(model, ids: torch.Tensor, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+class _Timer:
+    """Both models with their caches over one prefix; forward(name, n) feeds n tokens, growing the cache
+    as decoding does and cropping back to the prefix once it has grown by `growth` positions."""
+
+    def __init__(self, pair, prefix: torch.Tensor, growth: int):
+        self.models = {m: getattr(pair, m) for m in MODELS}
+        self.prefix, self.growth = prefix, growth
+        self.caches = {m: self.models[m](prefix, use_cache=True).past_key_values for m in MODELS}
+
+    @torch.no_grad()
+    def forward(self, name: str, n: int) -> float:
+        cache, length = self.caches[name], self.prefix.shape[1]
+        if cache.get_seq_length() + n > length + self.growth:
+            cache.crop(length - cache.get_seq_length())  # negative: positions to drop
+        x = self.prefix[:, -n:] if length >= n else self.prefix.repeat(1, n)[:, :n]
+        t0 = time.perf_counter()
+        self.models[name](x, past_key_values=cache, use_cache=True)
+        return 1e3 * (time.perf_counter() - t0)
+
+
 @dataclass
 class CostModel:
-    """ms per forward: step[model][n - 1] for n new tokens, prefill[model] as (lengths, ms)."""
+    """ms per forward of n new tokens: step[model][n - 1] after a forward of the same model, switched[model][n - 1]
+    after one of the other model (absent: as step); prefill[model] as (lengths, ms)."""
 
     step: dict[str, list[float]] = field(default_factory=dict)
     prefill: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    switched: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
-    def measure(cls, pair, prompts: list[list[int]], n_max: int, repeats: int = 15) -> CostModel:
-        """Time both models on these prompts (decode.pair.Pair; prompts as token ids)."""
+    def measure(cls, pair, prompts: list[list[int]], n_max: int, repeats: int = 7, growth: int = 64,
+                draft_n_max: int = 4, seed: int = 0) -> CostModel:
+        """Time both models on these prompts (decode.pair.Pair; prompts as token ids). The draft is fed at
+        most draft_n_max tokens outside prefill (the pending token and one candidate), the target up to n_max."""
         lengths = sorted(len(p) for p in prompts)
         typical = torch.tensor([prompts[[len(p) for p in prompts].index(lengths[len(lengths) // 2])]])
-        typical = typical[:, -max(1, pair.config.max_context - n_max):]  # room for n_max more positions
-        picks = sorted({lengths[int(q * (len(lengths) - 1))] for q in (0.0, 0.25, 0.5, 0.75, 1.0)})
+        typical = typical[:, -max(1, pair.config.max_context - n_max - growth):]  # room to grow
+        timer = _Timer(pair, typical, growth)
+        sizes = {"draft": min(draft_n_max, n_max), "target": n_max}
+        grid = {m: _grid(sizes[m]) for m in MODELS}
+        cells = [(m, n, sw) for m in MODELS for n in grid[m] for sw in (False, True)] * repeats
+        random.Random(seed).shuffle(cells)
+        for m in MODELS:  # warm-up
+            timer.forward(m, 1)
+        samples: dict[tuple[str, int, bool], list[float]] = {}
+        for m, n, sw in cells:
+            timer.forward(m if not sw else MODELS[1 - MODELS.index(m)], 1)  # the state the timed call runs in
+            samples.setdefault((m, n, sw), []).append(timer.forward(m, n))
+        med = lambda m, sw: np.interp(np.arange(1, sizes[m] + 1), grid[m],
+                                      [statistics.median(samples[(m, n, sw)]) for n in grid[m]]).tolist()
         by_len = {len(p): p for p in prompts}
-        cm = cls()
-        for name in ("draft", "target"):
-            model = getattr(pair, name)
-            _forward_ms(model, typical, 1, 3)  # warm-up
-            cm.step[name] = [_forward_ms(model, typical, n, repeats) for n in range(1, n_max + 1)]
-            cm.prefill[name] = (picks, [_prefill_ms(model, torch.tensor([by_len[n]]), 3) for n in picks])
-        return cm
+        picks = sorted({lengths[int(q * (len(lengths) - 1))] for q in (0.0, 0.25, 0.5, 0.75, 1.0)})
+        return cls(step={m: med(m, False) for m in MODELS}, switched={m: med(m, True) for m in MODELS},
+                   prefill={m: (picks, [_prefill_ms(timer.models[m], torch.tensor([by_len[n]]), 3) for n in picks])
+                            for m in MODELS})
 
     @classmethod
     def mean(cls, models: list[CostModel]) -> CostModel:
         """Entry-wise mean of several measurements: taken through a run, machine drift averages out."""
-        step = {k: np.mean([m.step[k] for m in models], axis=0).tolist() for k in models[0].step}
+        avg = lambda tables: {k: np.mean([t[k] for t in tables], axis=0).tolist() for k in tables[0]}
         prefill = {k: (models[0].prefill[k][0], np.mean([m.prefill[k][1] for m in models], axis=0).tolist())
                    for k in models[0].prefill}
-        return cls(step=step, prefill=prefill)
+        return cls(step=avg([m.step for m in models]), prefill=prefill, switched=avg([m.switched for m in models]))
 
-    def call_ms(self, model: str, n: int) -> float:
-        """Predicted ms of one forward of n tokens: the step table, else the prefill curve."""
+    def call_ms(self, model: str, n: int, switched: bool = False) -> float:
+        """Predicted ms of one forward of n tokens in that state: the step tables, else the prefill curve."""
+        table = self.switched.get(model) if switched else None
+        if table and n <= len(table):
+            return table[n - 1]
         steps = self.step[model]
         if n <= len(steps):
             return steps[n - 1]
@@ -83,13 +116,19 @@ class CostModel:
         return float(np.interp(n, lengths, ms))
 
     def predict_s(self, calls: list[tuple[str, int]]) -> float:
-        """Seconds predicted for a call log of (model, tokens) pairs."""
-        return 1e-3 * sum(self.call_ms(m, n) for m, n in calls)
+        """Seconds predicted for an ordered call log of (model, tokens) pairs."""
+        total, prev = 0.0, None
+        for model, n in calls:
+            total += self.call_ms(model, n, switched=prev is not None and prev != model)
+            prev = model
+        return 1e-3 * total
 
     def describe(self) -> str:
         d, t = self.step["draft"], self.step["target"]
-        return (f"draft step {d[0]:.2f} ms, target forward {t[0]:.2f} ms (1 token) .. {t[-1]:.2f} ms "
-                f"({len(t)} tokens), ratio {t[0] / d[0]:.1f}x")
+        sd, st = self.switched.get("draft", d), self.switched.get("target", t)
+        return (f"draft step {d[0]:.2f} ms ({sd[0]:.2f} after a target forward), target forward {t[0]:.2f} ms "
+                f"(1 token; {st[0]:.2f} after a draft step) .. {t[-1]:.2f} ms ({len(t)} tokens), "
+                f"ratio {t[0] / d[0]:.1f}x")
 
 
 def bootstrap_ci(ratios: np.ndarray, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:

@@ -75,11 +75,14 @@ class Runner:
     """One model with its KV cache; feed() appends tokens, crop() rolls the cache back.
 
     hidden: also return last-layer hidden states (only a head policy's draft needs them).
+    calls: the (model, tokens) log it appends to; runners of one generation share one, so the log keeps
+    the order of the calls (the cost model prices a forward by whether the other model ran just before).
     """
 
-    def __init__(self, model, pair: Pair, hidden: bool = False, name: str = "target"):
+    def __init__(self, model, pair: Pair, hidden: bool = False, name: str = "target",
+                 calls: list[tuple[str, int]] | None = None):
         self.model, self.pair, self.cache, self.length, self.hidden = model, pair, None, 0, hidden
-        self.name, self.calls = name, []
+        self.name, self.calls = name, calls if calls is not None else []
 
     @torch.no_grad()
     def feed(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -179,7 +182,7 @@ class SpeculativeDecoder:
         check_prompt(self.pair, prompt_ids, max_new_tokens)
         stats, eos, s = Stats(), self.pair.tokenizer.eos_token_id, self.pair.config.sampling
         draft = Runner(self.pair.draft, self.pair, hidden=self.policy.needs_hidden, name="draft")
-        target = Runner(self.pair.target, self.pair)
+        target = Runner(self.pair.target, self.pair, calls=draft.calls)
         t_start = time.perf_counter()
         if len(prompt_ids) > 1:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1])
@@ -212,7 +215,7 @@ class SpeculativeDecoder:
         out = out[:max_new_tokens]
         stats.new_tokens = len(out)
         stats.wall = time.perf_counter() - t_start - stats.t_oracle
-        stats.calls = draft.calls + target.calls
+        stats.calls = draft.calls  # shared with the target's runner: every forward, in order
         self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
         return Generation(out, self.pair.tokenizer.decode(out), stats)
 

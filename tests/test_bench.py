@@ -79,6 +79,11 @@ def test_bootstrap_interval_and_call_log_cost_model():
                    prefill={"draft": ([10, 30], [2.0, 4.0]), "target": ([10, 30], [10.0, 30.0])})
     calls = [("draft", 20), ("target", 20), ("draft", 1), ("draft", 2), ("target", 3)]
     assert abs(cm.predict_s(calls) - 1e-3 * (3.0 + 20.0 + 1.0 + 1.5 + 7.0)) < 1e-12
+    # The log is ordered: a forward right after the other model's is priced from the switched table
+    # (the draft's first step of a round after the target's check), prefill stays on the prefill curve.
+    cm.switched = {"draft": [1.25, 1.75], "target": [6.5, 7.0, 7.5]}
+    assert abs(cm.predict_s(calls) - 1e-3 * (3.0 + 20.0 + 1.25 + 1.5 + 7.5)) < 1e-12
+    assert abs(cm.predict_s([("target", 1)] * 3) - 3 * 6.0e-3) < 1e-12  # the target alone never switches
 
 
 def test_goal_lines_read_the_intervals():
@@ -169,11 +174,14 @@ def test_paired_goals_tell_a_five_percent_difference_the_row_intervals_cannot():
 def test_cost_model_mean_of_measurements_through_a_section():
     from decode.costmodel import CostModel
 
-    a = CostModel(step={"draft": [1.0], "target": [6.0, 7.0]}, prefill={"target": ([10, 30], [10.0, 30.0])})
-    b = CostModel(step={"draft": [2.0], "target": [8.0, 9.0]}, prefill={"target": ([10, 30], [12.0, 34.0])})
+    a = CostModel(step={"draft": [1.0], "target": [6.0, 7.0]}, prefill={"target": ([10, 30], [10.0, 30.0])},
+                  switched={"draft": [1.2], "target": [6.0, 7.4]})
+    b = CostModel(step={"draft": [2.0], "target": [8.0, 9.0]}, prefill={"target": ([10, 30], [12.0, 34.0])},
+                  switched={"draft": [2.2], "target": [8.0, 9.6]})
     m = CostModel.mean([a, b])
     assert m.step == {"draft": [1.5], "target": [7.0, 8.0]} and m.prefill["target"] == ([10, 30], [11.0, 32.0])
-    assert abs(m.predict_s([("draft", 1), ("target", 2), ("target", 20)]) - 1e-3 * (1.5 + 8.0 + 21.5)) < 1e-12
+    assert m.switched["target"] == [7.0, 8.5] and abs(m.switched["draft"][0] - 1.7) < 1e-12
+    assert abs(m.predict_s([("draft", 1), ("target", 2), ("target", 20)]) - 1e-3 * (1.5 + 8.5 + 21.5)) < 1e-12
 
 
 def test_paired_goals_are_symmetric_when_a_few_prompts_have_large_ratios():

@@ -88,6 +88,18 @@ def test_speculative_sampling_is_lossless_and_a_broken_resample_is_caught(tiny_p
     assert two_token_pvalue(SpeculativeDecoder(pair, FixedK(2), BrokenResample(), seed=3), law, prompt) < ALPHA
 
 
+def test_call_log_keeps_the_order_of_the_forwards(tiny_pair):
+    """Prefill of both models, then per round: the draft's steps, then one target check of pending + k."""
+    stats = SpeculativeDecoder(tiny_pair, FixedK(2), GreedyMatch()).generate(PROMPTS[5], 12).stats
+    prompt = len(PROMPTS[5])
+    assert stats.calls[:5] == [("draft", prompt - 1), ("target", prompt - 1), ("draft", 1), ("draft", 1), ("target", 3)]
+    assert all(n in (2, 3) for m, n in stats.calls[5:] if m == "target")  # pending + 2, or + 1 at the end
+    assert len(stats.calls) == stats.draft_calls + stats.target_calls + 2  # + the two prefills
+    # every round starts with the draft reading what it has not read yet, right after the target's check
+    after_target = [stats.calls[i + 1][0] for i, (m, _) in enumerate(stats.calls[1:-1], 1) if m == "target"]
+    assert set(after_target) == {"draft"}
+
+
 def test_fsd_with_zero_threshold_samples_only_from_the_target(tiny_pair):
     dec = SpeculativeDecoder(tiny_pair, FixedK(3), FSD("js", threshold=0.0))
     for prompt in PROMPTS[:4]:
