@@ -98,7 +98,7 @@ def bench(argv: list[str]) -> None:
     """Run every method of a bench config on its prompt sets; print and save the table and plots."""
     import argparse
 
-    from decode.bench import run
+    from decode.bench import UnknownPromptSet, run
 
     ap = argparse.ArgumentParser(prog="python -m decode bench")
     ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML")
@@ -108,10 +108,16 @@ def bench(argv: list[str]) -> None:
                     help="also rewrite README.md's generated results block")
     ap.add_argument("--repeats", type=int, default=None, help="runs of every method per prompt (default: the YAML's)")
     ap.add_argument("--output", default=None, help="output folder (default: the YAML's); a new one runs afresh")
+    ap.add_argument("--prompt_sets", nargs="+", default=None, metavar="NAME",
+                    help="run only these of the YAML's prompt sets (default: all)")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats, output=args.output)
+    try:
+        run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats, output=args.output,
+            prompt_sets=args.prompt_sets)
+    except UnknownPromptSet as e:
+        ap.error(str(e))
 
 
 def main() -> None:

@@ -23,6 +23,18 @@ TINY_BENCH = {
 }
 
 
+def test_prompt_sets_option_keeps_the_named_sets_and_names_the_ones_there_are(tmp_path):
+    from decode.bench import UnknownPromptSet, load_config
+
+    path = tmp_path / "bench.yaml"
+    two = TINY_BENCH["prompt_sets"] + [TINY_BENCH["prompt_sets"][0] | {"name": "humaneval"}]
+    path.write_text(yaml.safe_dump(TINY_BENCH | {"prompt_sets": two}))
+    assert [ps["name"] for ps in load_config(str(path), False, None)["prompt_sets"]] == ["pycode", "humaneval"]
+    assert [ps["name"] for ps in load_config(str(path), False, None, None, ["humaneval"])["prompt_sets"]] == ["humaneval"]
+    with pytest.raises(UnknownPromptSet, match="--prompt_sets mbpp: bench.yaml has pycode, humaneval"):
+        load_config(str(path), False, None, None, ["mbpp"])
+
+
 def test_grid_expansion():
     ms = expand(dict(TINY_BENCH["sections"][0]["methods"][4]))
     assert [m.name for m in ms] == ["SD K=1", "SD K=2"] and ms[1].policy["init_args"] == {"k": 2}
