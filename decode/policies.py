@@ -83,24 +83,28 @@ class SamplingMismatch(ValueError):
 
 
 def matching_heads(head_dir: str, setting: str) -> list[str]:
-    """Sibling head folders of the same type trained for `setting` (to suggest the right one)."""
+    """Sibling head folders of the same kind (head type and label family) trained for `setting`."""
     here, out = Path(head_dir), []
+    kind = _kind(here / "config.json")
     for cfg_path in sorted(here.resolve().parent.glob("*/config.json")):
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError:
-            continue
-        if "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
-                cfg.get("head_type") == from_pretrained_type(head_dir) and cfg_path.parent != here.resolve():
+        cfg = _read(cfg_path)
+        if cfg and "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
+                _kind(cfg_path) == kind and cfg_path.parent != here.resolve():
             out.append(str(here.parent / cfg_path.parent.name))
     return out
 
 
-def from_pretrained_type(head_dir: str) -> str | None:
+def _read(cfg_path: Path) -> dict | None:
     try:
-        return json.loads((Path(head_dir) / "config.json").read_text()).get("head_type")
+        return json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def _kind(cfg_path: Path) -> tuple | None:
+    """(head type, label family): an FSD head is an AcceptanceHead too, but answers another question."""
+    cfg = _read(cfg_path)
+    return None if cfg is None else (cfg.get("head_type"), (cfg.get("label") or {}).get("family"))
 
 
 class HeadPolicy(Policy):

@@ -12,14 +12,15 @@ PROMPTS = [[1 + (i * 3 + j) % 20 for j in range(2 + i % 4)] for i in range(12)]
 ALPHA = 1e-3  # false-alarm rate of each statistical test
 
 
-def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", sampling=None, **kw):
+def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", sampling=None,
+                label=None, **kw):
     head = cls(pair.draft.config.hidden_size, **kw)
     if bias is not None:
         with torch.no_grad():
             head.out.weight.zero_()
             head.out.bias.fill_(bias)
     meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": []},
-            "sampling": vars(sampling or pair.config.sampling)}
+            "sampling": vars(sampling or pair.config.sampling)} | ({"label": {"family": label}} if label else {})
     return str(save_pretrained(head, tmp_path / name, meta))
 
 
@@ -175,10 +176,12 @@ def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
 
 def test_head_of_another_sampling_setting_is_refused_or_warned(tiny_pair, tmp_path):
     greedy = tiny_pair.with_sampling(temperature=0)
-    t1_head = export_head(tmp_path, tiny_pair, name="specdecpp")  # trained for t1
+    t1_head = export_head(tmp_path, tiny_pair, name="specdecpp", label="SoftAcceptance")  # trained for t1
+    # an FSD head has the same head type but another label family: never the one to suggest
+    export_head(tmp_path, greedy, name="fsd-greedy", label="DivergenceThreshold")
     with pytest.raises(SamplingMismatch, match="trained for sampling t1 but the decoder samples greedy.*train one"):
         SpeculativeDecoder(greedy, SpecDecPP(t1_head), SpeculativeSampling())
-    export_head(tmp_path, greedy, name="specdecpp-greedy")  # the matching head is named in the error
+    export_head(tmp_path, greedy, name="specdecpp-greedy", label="SoftAcceptance")  # named in the error
     with pytest.raises(SamplingMismatch, match="use .*specdecpp-greedy"):
         SpeculativeDecoder(greedy, SpecDecPP(t1_head), SpeculativeSampling())
     with pytest.warns(UserWarning, match="another acceptance event"):
