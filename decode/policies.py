@@ -82,29 +82,23 @@ class SamplingMismatch(ValueError):
     """A head was trained for another sampling setting than the decoder's: it predicts another event."""
 
 
-def matching_heads(head_dir: str, setting: str) -> list[str]:
-    """Sibling head folders of the same kind (head type and label family) trained for `setting`."""
+def matching_heads(head_dir: str, config: dict, setting: str) -> list[str]:
+    """Sibling folders of the head at head_dir (its config.json as `config`) of the same kind, trained for `setting`."""
     here, out = Path(head_dir), []
-    kind = _kind(here / "config.json")
     for cfg_path in sorted(here.resolve().parent.glob("*/config.json")):
-        cfg = _read(cfg_path)
-        if cfg and "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
-                _kind(cfg_path) == kind and cfg_path.parent != here.resolve():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
+                _kind(cfg) == _kind(config) and cfg_path.parent != here.resolve():
             out.append(str(here.parent / cfg_path.parent.name))
     return out
 
 
-def _read(cfg_path: Path) -> dict | None:
-    try:
-        return json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _kind(cfg_path: Path) -> tuple | None:
+def _kind(cfg: dict) -> tuple:
     """(head type, label family): an FSD head is an AcceptanceHead too, but answers another question."""
-    cfg = _read(cfg_path)
-    return None if cfg is None else (cfg.get("head_type"), (cfg.get("label") or {}).get("family"))
+    return cfg.get("head_type"), (cfg.get("label") or {}).get("family")
 
 
 class HeadPolicy(Policy):
@@ -129,7 +123,7 @@ class HeadPolicy(Policy):
         trained, used = Sampling.of(self.config["sampling"]).name, sampling.name
         if trained == used:
             return
-        others = matching_heads(self.head_dir, used)
+        others = matching_heads(self.head_dir, self.config, used)
         hint = f"use {others[0]}" if others else \
             f"train one with --data.sampling '{{temperature: {sampling.temperature}, top_k: {sampling.top_k}, top_p: {sampling.top_p}}}'"
         msg = (f"head {self.head_dir} was trained for sampling {trained} but the decoder samples {used}: "
