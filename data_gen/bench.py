@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     def generate_only(chunk):
         ids, mask = left_pad([c[1] for c in chunk], pair.tokenizer.eos_token_id)
         noise = RowNoise.response_only([prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens, pair.vocab)
-        _, lengths = sample_responses(pair, ids, mask, noise, args.max_new_tokens)
-        return int(lengths.sum())
+        return int(sample_responses(pair, ids, mask, noise, args.max_new_tokens).lengths.sum())
 
     def label(chunk):
         recs, _ = label_batch(pair, [c[1] for c in chunk], [c[0] for c in chunk], ["mixed"] * len(chunk),

@@ -61,31 +61,41 @@ class RowNoise:
     record independent of its batch while the per-position work stays one tensor op per batch.
     """
 
-    response: torch.Tensor  # (B, N, V) Gumbel noise for the target's response tokens
-    candidate: torch.Tensor  # (B, N, V) Gumbel noise for the draft's candidates
+    response: torch.Tensor  # (B, N, V) exponential noise for the target's response tokens
+    candidate: torch.Tensor  # (B, N, V) exponential noise for the draft's candidates
     mix: torch.Tensor  # (B, N) uniforms for the token-mixing coin
 
     @classmethod
     def draw(cls, gens: list[torch.Generator], n: int, vocab: int) -> RowNoise:
-        rows = [(torch.rand(n, vocab, generator=g), torch.rand(n, vocab, generator=g), torch.rand(n, generator=g))
-                for g in gens]
-        resp, cand, mix = (torch.stack(parts) for parts in zip(*rows))
-        return cls(gumbel(resp), gumbel(cand), mix)
+        B = len(gens)
+        resp, cand, mix = torch.empty(B, n, vocab), torch.empty(B, n, vocab), torch.empty(B, n)
+        for b, g in enumerate(gens):  # written in place: no stacked copy of the (B, N, V) draws
+            torch.rand(n, vocab, generator=g, out=resp[b])
+            torch.rand(n, vocab, generator=g, out=cand[b])
+            torch.rand(n, generator=g, out=mix[b])
+        return cls(exponential_(resp), exponential_(cand), mix)
 
     @staticmethod
     def response_only(gens: list[torch.Generator], n: int, vocab: int) -> torch.Tensor:
         """(B, N, V) the same response noise as draw(), without the draws only labelling needs."""
-        return gumbel(torch.stack([torch.rand(n, vocab, generator=g) for g in gens]))
+        resp = torch.empty(len(gens), n, vocab)
+        for b, g in enumerate(gens):
+            torch.rand(n, vocab, generator=g, out=resp[b])
+        return exponential_(resp)
 
 
-def gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Uniforms -> standard Gumbel noise (clamped so that no value is infinite)."""
-    return -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-7)))
+def exponential_(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms -> standard exponential noise E = -log u, in place (clamped so that E is positive and finite)."""
+    return u.clamp_(1e-12, 1 - 1e-7).log_().neg_()
 
 
-def gumbel_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """(B, V) probabilities, (B, V) Gumbel noise -> (B,) exact samples (the Gumbel-max trick)."""
-    return (probs.clamp_min(0).log() + noise).argmax(-1)
+def race_argmax(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities, (B, V) exponential noise -> (B,) exact samples.
+
+    argmax p / E is the Gumbel-max trick argmax log p - log E without a logarithm per position:
+    token x wins the race of independent exponential clocks E_x / p_x with probability p_x.
+    """
+    return (probs.clamp_min(0) / e).argmax(-1)
 
 
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,31 +114,62 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp_min(0)
 
 
+@dataclass
+class Responses:
+    """What sample_responses returns: the responses, and the target state labelling reuses."""
+
+    tokens: torch.Tensor  # (B, N) response ids (EOS included, EOS after it)
+    lengths: torch.Tensor  # (B,) response lengths
+    first_logits: torch.Tensor  # (B, V) the target's logits after the prompt
+    cache: object  # the target's KV cache over the prompt and the responses
+
+
 @torch.no_grad()
-def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) left-padded prompts -> (B, N) responses and (B,) lengths (EOS included, nothing after)."""
+def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -> Responses:
+    """(B, T) left-padded prompts, (B, N, V) exponential noise -> the target's responses."""
     eos, s = pair.tokenizer.eos_token_id, pair.config.sampling
     B = ids.shape[0]
     out = torch.full((B, max_new), eos, dtype=torch.long)
     lengths = torch.full((B,), max_new, dtype=torch.long)
     done = torch.zeros(B, dtype=torch.bool)
-    logits = pair.target(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
-    cache = logits.past_key_values
+    # logits_to_keep=1: only the last prompt position's logits are read, not (B, T, V) of them
+    logits = pair.target(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
+    first, cache = pair.logits(logits.logits[:, -1]), logits.past_key_values
     for t in range(max_new):
         probs = transform(pair.logits(logits.logits[:, -1]), s)
-        tok = gumbel_argmax(probs, noise[:, t])
+        tok = race_argmax(probs, noise[:, t])
         tok = torch.where(done, torch.full_like(tok, eos), tok)
         out[:, t] = tok
         newly = (tok == eos) & ~done
         lengths[newly] = t + 1
         done |= newly
         if done.all():
-            return out[:, : t + 1], lengths
+            return Responses(out[:, : t + 1], lengths, first, cache)
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
         logits = pair.target(tok[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:],
                              past_key_values=cache, use_cache=True)
         cache = logits.past_key_values
-    return out, lengths
+    return Responses(out, lengths, first, cache)
+
+
+@torch.no_grad()
+def target_logits(pair: Pair, resp: Responses, mask: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """(B, T) prompt mask, (B, N) mixed sequence -> (B, N, V) target logits p(. | x, z_<i).
+
+    The target already read the prompts while sampling: its cache is cut back to them and only
+    z_<N is fed, instead of a second pass over the prompts (the larger part of the tokens).
+    """
+    T, N = mask.shape[1], z.shape[1]
+    cache = resp.cache
+    if cache.get_seq_length() > T:
+        cache.crop(T - cache.get_seq_length())  # negative: the number of positions to drop
+    logits = [resp.first_logits[:, None]]
+    if N > 1:
+        m = torch.cat([mask, torch.ones(mask.shape[0], N - 1, dtype=mask.dtype)], dim=1)
+        out = pair.target(z[:, :-1], attention_mask=m, position_ids=positions(m)[:, T:], past_key_values=cache,
+                          use_cache=True)
+        logits.append(pair.logits(out.logits))
+    return torch.cat(logits, 1)
 
 
 @torch.no_grad()
@@ -142,12 +183,13 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
     s = pair.config.sampling
     plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
     B, N = y.shape
-    out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, output_hidden_states=True)
+    out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, output_hidden_states=True,
+                     logits_to_keep=1)
     hidden, qs, raws, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], [], []
     for t in range(N):
         logits = pair.logits(out.logits[:, -1])
         q = transform(logits, s)
-        c = gumbel_argmax(q, noise.candidate[:, t])
+        c = race_argmax(q, noise.candidate[:, t])
         from_target = noise.mix[:, t] < ratios
         z = torch.where(from_target, y[:, t], c)
         qs.append(q), cands.append(c), zs.append(z), froms.append(from_target)
@@ -169,13 +211,10 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
     """Token-id prompts -> one record per prompt and its (n_i + 1, H) float16 draft hidden states."""
     noise = RowNoise.draw([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
     x, mask = left_pad(prompts, pair.tokenizer.eos_token_id)
-    y, lengths = sample_responses(pair, x, mask, noise.response, max_new)
+    resp = sample_responses(pair, x, mask, noise.response, max_new)
+    y, lengths = resp.tokens, resp.lengths
     walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise)
-    full_mask = torch.cat([mask, torch.ones_like(walk["z"])], dim=1)
-    seq = torch.cat([x, walk["z"]], dim=1)
-    logits = pair.target(seq, attention_mask=full_mask, position_ids=positions(full_mask)).logits
-    T = x.shape[1]
-    p = transform(pair.logits(logits[:, T - 1 : -1]), pair.config.sampling)
+    p = transform(target_logits(pair, resp, mask, walk["z"]), pair.config.sampling)
     stats = position_stats(p, walk["q"], walk["candidate"], walk["q_raw"])
     records, feats = [], []
     rows = {"y": y, "z": walk["z"], "candidate": walk["candidate"], "from_target": walk["from_target"]} | stats

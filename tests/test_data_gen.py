@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from data_gen.generate import Mixing, label_batch
+from data_gen.generate import Mixing, RowNoise, label_batch, left_pad, positions, prompt_generator, race_argmax
+from data_gen.generate import sample_responses, target_logits
 from data_gen.store import done_ids, load_features, load_split
 from decode.labels import accept_prob
 
@@ -46,6 +47,34 @@ def test_record_does_not_depend_on_batch_composition(tiny_pair):
     batched, _ = label_batch(tiny_pair, ps, ids, ["mixed"] * 6, Mixing(), seed=1, max_new=8)
     assert alone[0]["z"] == batched[3]["z"] and alone[0]["y"] == batched[3]["y"]
     assert torch.allclose(torch.tensor(alone[0]["alpha"]), torch.tensor(batched[3]["alpha"]), atol=1e-4)
+
+
+def test_target_logits_from_the_sampling_cache_equal_a_fresh_pass(tiny_pair):
+    ps, ids = prompts(5), [f"p{i}" for i in range(5)]
+    x, mask = left_pad(ps, tiny_pair.tokenizer.eos_token_id)
+    noise = RowNoise.draw([prompt_generator(0, i) for i in ids], 9, tiny_pair.vocab)
+    resp = sample_responses(tiny_pair, x, mask, noise.response, 9)
+    z = torch.randint(1, tiny_pair.vocab, resp.tokens.shape, generator=torch.Generator().manual_seed(0))
+    reused = target_logits(tiny_pair, resp, mask, z)
+    full = torch.cat([mask, torch.ones_like(z)], 1)
+    fresh = tiny_pair.target(torch.cat([x, z], 1), attention_mask=full, position_ids=positions(full)).logits
+    T = x.shape[1]
+    assert reused.shape == (5, z.shape[1], tiny_pair.vocab)
+    assert torch.allclose(reused, tiny_pair.logits(fresh[:, T - 1 : -1]), atol=1e-4)
+
+
+def test_race_argmax_is_the_gumbel_max_draw_and_samples_p():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(4000, 50, generator=g), -1)
+    probs[:, :10] = 0  # tokens a top-k/top-p transform removed
+    probs = probs / probs.sum(-1, keepdim=True)
+    e = -torch.rand(4000, 50, generator=g).log()
+    gumbel = (probs.log() - e.log()).argmax(-1)
+    assert torch.equal(race_argmax(probs, e), gumbel)
+    one = probs[:1].expand(20000, 50)
+    draws = race_argmax(one, -torch.rand(20000, 50, generator=g).log())
+    freq = torch.bincount(draws, minlength=50) / 20000.0
+    assert freq[:10].sum() == 0 and (freq - probs[0]).abs().max() < 0.015
 
 
 def test_mean_alpha_estimates_expected_acceptance(tiny_pair):
