@@ -34,6 +34,33 @@ def check_range(name: str, value: float, low: float | None = None, high: float |
         raise BadOption(f"--{name} must be {' and '.join(x for x in (lo, hi) if x)}, got {value:g}")
 
 
+class TextStream:
+    """on_tokens callback that writes each round's new text, decoding only the current line.
+
+    Decoding everything shown so far on every round costs O(n^2) over a generation, inside the timed
+    wall; text is cut at a newline, where byte-level tokens split cleanly.
+    """
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out = tokenizer, out
+        self.line: list[int] = []  # tokens since the last newline
+        self.written = 0  # characters of the line's text already written
+
+    def __call__(self, new: list[int]) -> None:
+        self.line.extend(new)
+        text = self.tokenizer.decode(self.line)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for its last byte
+            return
+        self.out.write(text[self.written:])
+        self.out.flush()
+        self.line, self.written = ([], 0) if text.endswith("\n") else (self.line, len(text))
+
+    def close(self) -> None:
+        """Write what a split character held back at the end of the generation."""
+        self.out.write(self.tokenizer.decode(self.line)[self.written:])
+        self.line, self.written = [], 0
+
+
 def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | None = None,
              policy: Policy | None = None, rule: Rule | None = None, max_new_tokens: int = 64,
              temperature: float | None = None, top_p: float | None = None, seed: int = 0, threads: int = 2,
@@ -75,15 +102,9 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
     dec = Decoder(p, policy, rule or SpeculativeSampling(), seed=seed)
     ids = p.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     sys.stdout.write(prompt)
-    shown: list[int] = []
-
-    def stream(new: list[int]) -> None:
-        before = p.tokenizer.decode(shown)
-        shown.extend(new)
-        sys.stdout.write(p.tokenizer.decode(shown)[len(before):])
-        sys.stdout.flush()
-
+    stream = TextStream(p.tokenizer, sys.stdout)
     out = dec.generate(ids, max_new_tokens, on_tokens=stream)
+    stream.close()
     s = out.stats.summary()
     print(f"\n\n[{type(policy).__name__} + {type(dec.rule).__name__}] {s['new_tokens']} tokens, "
           f"{s['tokens_per_s']:.1f} tok/s, target calls {s['target_calls']}, draft calls {s['draft_calls']}, "

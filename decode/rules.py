@@ -30,11 +30,14 @@ class SpeculativeSampling(Rule):
     lossless = True
 
     def verify(self, tokens, q, p, gen):
-        for i, x in enumerate(tokens.tolist()):
-            alpha = L.accept_prob(p[i, x], q[i, x])
-            if torch.rand((), generator=gen) >= alpha:
+        k = len(tokens)
+        rows = torch.arange(k)
+        # Every alpha in one tensor op; the uniforms are still drawn one per token, in order, until a rejection.
+        alphas = L.accept_prob(p[rows, tokens], q[rows, tokens]).tolist()
+        for i, alpha in enumerate(alphas):
+            if torch.rand((), generator=gen).item() >= alpha:
                 return i, int(sample(self.resample(p[i], q[i]), gen))
-        return len(tokens), int(sample(p[len(tokens)], gen))
+        return k, int(sample(p[k], gen))
 
     def resample(self, p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
         return L.residual(p_i, q_i)
@@ -46,11 +49,11 @@ class GreedyMatch(Rule):
     lossless = True
 
     def verify(self, tokens, q, p, gen):
-        best = p.argmax(-1)
+        best = p.argmax(-1).tolist()  # one conversion, then plain ints: no tensor indexing per token
         for i, x in enumerate(tokens.tolist()):
-            if x != int(best[i]):
-                return i, int(best[i])
-        return len(tokens), int(best[len(tokens)])
+            if x != best[i]:
+                return i, best[i]
+        return len(tokens), best[len(tokens)]
 
 
 class FSD(Rule):

@@ -17,8 +17,8 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     Temperature 0 gives the one-hot argmax (greedy decoding as a distribution).
     """
     logits = logits.float()
-    if s.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    if s.temperature == 0:  # scatter into zeros: no (..., V) int64 one_hot and no copy to float
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]

@@ -174,6 +174,21 @@ def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
     assert res.returncode != 0 and "prompt is empty" in res.stderr
 
 
+def test_text_stream_writes_exactly_the_decoded_text(tiny_pair):
+    import io
+
+    from decode.__main__ import TextStream
+
+    tok = tiny_pair.tokenizer
+    ids = tok("def f(x):\n    return x  # é ü\n\nprint(f(1))\n", add_special_tokens=False)["input_ids"]
+    out = io.StringIO()
+    stream = TextStream(tok, out)
+    for i in range(0, len(ids), 3):  # rounds of three tokens, as a decoder delivers them
+        stream(ids[i : i + 3])
+    stream.close()
+    assert out.getvalue() == tok.decode(ids)
+
+
 def test_head_of_another_sampling_setting_is_refused_or_warned(tiny_pair, tmp_path):
     greedy = tiny_pair.with_sampling(temperature=0)
     t1_head = export_head(tmp_path, tiny_pair, name="specdecpp", label="SoftAcceptance")  # trained for t1
