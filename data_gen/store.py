@@ -80,7 +80,9 @@ def claim_output(output: Path, meta: dict) -> None:
             )
         return
     output.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # Every DDP rank claims the folder at once: each writes its own temporary file (a shared name let one
+    # rank move the file away before the other's replace) and the atomic replace leaves one whole file.
+    tmp = path.with_name(f".metadata.{uuid.uuid4().hex}.tmp")
     tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
     tmp.replace(path)
 

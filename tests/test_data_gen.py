@@ -156,6 +156,20 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, tiny_pair_yaml)
     assert len(ids) == len(set(ids)) == 61
 
 
+def test_ranks_claiming_a_folder_at_once_all_succeed(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from data_gen.store import claim_output, metadata
+
+    meta = {"pair": "tiny", "seed": 0}
+    for trial in range(20):  # DDP ranks call claim_output together on a fresh folder
+        out = tmp_path / f"run{trial}"
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: claim_output(out, meta), range(4)))
+        assert metadata(out)["pair"] == "tiny"
+        assert [p.name for p in out.iterdir()] == ["metadata.json"]  # no temporary file left behind
+
+
 def test_second_writer_is_refused(tmp_path):
     import subprocess as sp
 
