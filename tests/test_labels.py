@@ -91,6 +91,20 @@ def test_sampling_transform():
     assert hot[0, 0] > transform(logits, Sampling())[0, 0]
 
 
+def test_nucleus_keeps_the_sorted_prefix_whose_preceding_mass_is_below_top_p():
+    g = torch.Generator().manual_seed(5)
+    for scale, top_p in ((0.5, 0.9), (3.0, 0.95), (6.0, 0.5), (2.0, 0.999)):
+        logits = torch.randn(64, 300, generator=g) * scale
+        kept = transform(logits, Sampling(top_p=top_p)) > 0
+        probs = logits.softmax(-1)
+        sorted_p, order = probs.sort(-1, descending=True)  # the definition, token by token
+        ref = torch.zeros_like(kept).scatter(-1, order, (sorted_p.cumsum(-1) - sorted_p) < top_p)
+        assert torch.equal(kept, ref)
+        mass = (probs * kept).sum(-1)
+        assert (mass >= top_p - 1e-5).all()  # the kept set reaches top_p, and is the smallest one that does:
+        assert ((mass - (probs * kept).masked_fill(~kept, 2).min(-1).values) < top_p + 1e-5).all()
+
+
 def test_one_pass_position_stats_equal_the_separate_functions():
     g = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(4, 7, 50, generator=g) * 3, -1)
