@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.labels import position_stats
-from decode.pair import Pair
+from decode.pair import Pair, crop_cache
 from decode.sampling import transform
 
 KINDS = ("prompt", "draft", "target", "mixed")  # SPRINTER's four prefix kinds
@@ -67,21 +67,26 @@ class RowNoise:
 
     @classmethod
     def draw(cls, gens: list[torch.Generator], n: int, vocab: int) -> RowNoise:
-        B = len(gens)
-        resp, cand, mix = torch.empty(B, n, vocab), torch.empty(B, n, vocab), torch.empty(B, n)
-        for b, g in enumerate(gens):  # written in place: no stacked copy of the (B, N, V) draws
-            torch.rand(n, vocab, generator=g, out=resp[b])
-            torch.rand(n, vocab, generator=g, out=cand[b])
-            torch.rand(n, generator=g, out=mix[b])
+        resp, cand, mix = row_uniforms(gens, [(n, vocab), (n, vocab), (n,)])
         return cls(exponential_(resp), exponential_(cand), mix)
 
     @staticmethod
     def response_only(gens: list[torch.Generator], n: int, vocab: int) -> torch.Tensor:
         """(B, N, V) the same response noise as draw(), without the draws only labelling needs."""
-        resp = torch.empty(len(gens), n, vocab)
-        for b, g in enumerate(gens):
-            torch.rand(n, vocab, generator=g, out=resp[b])
+        (resp,) = row_uniforms(gens, [(n, vocab)])
         return exponential_(resp)
+
+
+def row_uniforms(gens: list[torch.Generator], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """One (B, *shape) uniform tensor per shape; row b draws its parts from gens[b], in order.
+
+    Written in place: no stacked copy of the (B, N, V) draws.
+    """
+    out = [torch.empty(len(gens), *shape) for shape in shapes]
+    for b, g in enumerate(gens):
+        for t in out:
+            torch.rand(t.shape[1:], generator=g, out=t[b])
+    return out
 
 
 def exponential_(u: torch.Tensor) -> torch.Tensor:
@@ -161,8 +166,7 @@ def target_logits(pair: Pair, resp: Responses, mask: torch.Tensor, z: torch.Tens
     """
     T, N = mask.shape[1], z.shape[1]
     cache = resp.cache
-    if cache.get_seq_length() > T:
-        cache.crop(T - cache.get_seq_length())  # negative: the number of positions to drop
+    crop_cache(cache, T)
     logits = [resp.first_logits[:, None]]
     if N > 1:
         m = torch.cat([mask, torch.ones(mask.shape[0], N - 1, dtype=mask.dtype)], dim=1)

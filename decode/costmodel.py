@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decode.pair import crop_cache
+
 MODELS = ("draft", "target")
 
 
@@ -53,7 +55,7 @@ class _Timer:
     def forward(self, name: str, n: int) -> float:
         cache, length = self.caches[name], self.prefix.shape[1]
         if cache.get_seq_length() + n > length + self.growth:
-            cache.crop(length - cache.get_seq_length())  # negative: positions to drop
+            crop_cache(cache, length)
         x = self.prefix[:, -n:] if length >= n else self.prefix.repeat(1, n)[:, :n]
         t0 = time.perf_counter()
         self.models[name](x, past_key_values=cache, use_cache=True)
@@ -88,8 +90,10 @@ class CostModel:
         for m, n, sw in cells:
             timer.forward(m if not sw else MODELS[1 - MODELS.index(m)], 1)  # the state the timed call runs in
             samples.setdefault((m, n, sw), []).append(timer.forward(m, n))
-        med = lambda m, sw: np.interp(np.arange(1, sizes[m] + 1), grid[m],
-                                      [statistics.median(samples[(m, n, sw)]) for n in grid[m]]).tolist()
+        def med(m, sw):  # medians on the grid, interpolated to every n
+            return np.interp(np.arange(1, sizes[m] + 1), grid[m],
+                             [statistics.median(samples[(m, n, sw)]) for n in grid[m]]).tolist()
+
         by_len = {len(p): p for p in prompts}
         picks = sorted({lengths[int(q * (len(lengths) - 1))] for q in (0.0, 0.25, 0.5, 0.75, 1.0)})
         return cls(step={m: med(m, False) for m in MODELS}, switched={m: med(m, True) for m in MODELS},
@@ -99,7 +103,9 @@ class CostModel:
     @classmethod
     def mean(cls, models: list[CostModel]) -> CostModel:
         """Entry-wise mean of several measurements: taken through a run, machine drift averages out."""
-        avg = lambda tables: {k: np.mean([t[k] for t in tables], axis=0).tolist() for k in tables[0]}
+        def avg(tables):
+            return {k: np.mean([t[k] for t in tables], axis=0).tolist() for k in tables[0]}
+
         prefill = {k: (models[0].prefill[k][0], np.mean([m.prefill[k][1] for m in models], axis=0).tolist())
                    for k in models[0].prefill}
         return cls(step=avg([m.step for m in models]), prefill=prefill, switched=avg([m.switched for m in models]))

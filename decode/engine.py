@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.pair import Pair
+from decode.pair import Pair, crop_cache
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule
 from decode.sampling import sample, transform
@@ -95,7 +95,7 @@ class Runner:
 
     def crop(self, length: int) -> None:
         if length < self.length:
-            self.cache.crop(length - self.length)  # negative: number of positions to drop
+            crop_cache(self.cache, length)
             self.length = length
 
 
