@@ -29,7 +29,9 @@ def read_rows(path: Path, split: str | None = None) -> dict[tuple[str, str], dic
 
 def compare_runs(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict]) -> tuple[list[str], int, int]:
     """Markdown lines of the comparison, the number of shared rows, and how many of them overlap."""
-    fmt = lambda r: f"{float(r['speedup']):.3f} [{float(r['speedup_lo']):.3f}, {float(r['speedup_hi']):.3f}]"
+    def fmt(r):
+        return f"{float(r['speedup']):.3f} [{float(r['speedup_lo']):.3f}, {float(r['speedup_hi']):.3f}]"
+
     lines = ["| prompts | method | run A | run B | intervals overlap |", "|---|---|---|---|---|"]
     shared = [k for k in a if k in b]
     agree = 0

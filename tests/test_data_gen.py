@@ -10,8 +10,17 @@ import pytest
 import torch
 import yaml
 
-from data_gen.generate import Mixing, RowNoise, label_batch, left_pad, positions, prompt_generator, race_argmax
-from data_gen.generate import sample_responses, target_logits
+from data_gen.generate import (
+    Mixing,
+    RowNoise,
+    label_batch,
+    left_pad,
+    positions,
+    prompt_generator,
+    race_argmax,
+    sample_responses,
+    target_logits,
+)
 from data_gen.store import done_ids, load_features, load_split
 from decode.labels import accept_prob
 
@@ -165,7 +174,7 @@ def test_ranks_claiming_a_folder_at_once_all_succeed(tmp_path):
     for trial in range(20):  # DDP ranks call claim_output together on a fresh folder
         out = tmp_path / f"run{trial}"
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda _: claim_output(out, meta), range(4)))
+            list(pool.map(lambda folder: claim_output(folder, meta), [out] * 4))
         assert metadata(out)["pair"] == "tiny"
         assert [p.name for p in out.iterdir()] == ["metadata.json"]  # no temporary file left behind
 
