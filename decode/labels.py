@@ -85,9 +85,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.sum() / mask.sum().clamp_min(1)
 
 
+CHUNK = 1 << 16  # probabilities per chunk of position_stats: ten (rows, V) temporaries stay in a 1 MiB L2
+
+
 def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor,
                    q_raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """(..., V) p, (..., V) q, (...) draft candidates [, (..., V) q_raw] -> dict of (...) per-position quantities.
+
+    Computed over chunks of positions: on a whole batch every one of the ~ten passes below reads and
+    writes (B, N, V) floats from main memory; on a chunk they stay in cache.
+    """
+    rows, V = cand.numel(), p.shape[-1]
+    p2, q2, c2 = p.reshape(rows, V), q.reshape(rows, V), cand.reshape(rows)
+    r2 = None if q_raw is None else q_raw.reshape(rows, V)
+    step, parts = max(1, CHUNK // V), []
+    for i in range(0, max(rows, 1), step):
+        s = slice(i, i + step)
+        parts.append(_stats(p2[s], q2[s], c2[s], None if r2 is None else r2[s]))
+    return {k: torch.cat([d[k] for d in parts]).reshape(cand.shape) for k in parts[0]}
+
+
+def _stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, q_raw: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """(M, V) p, q, (M,) candidates [, (M, V) q_raw] -> dict of (M,) quantities (see position_stats).
 
     The same values as kl, js, tv, entropy and expected_acceptance above, with the shared terms
     (p log p, q log q, the logs of p, q and their mixture) computed once per position.

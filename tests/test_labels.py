@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from decode import labels as L
@@ -105,7 +106,9 @@ def test_nucleus_keeps_the_sorted_prefix_whose_preceding_mass_is_below_top_p():
         assert ((mass - (probs * kept).masked_fill(~kept, 2).min(-1).values) < top_p + 1e-5).all()
 
 
-def test_one_pass_position_stats_equal_the_separate_functions():
+@pytest.mark.parametrize("chunk", [1 << 16, 150, 1])  # one chunk; 3 positions per chunk; one position per chunk
+def test_one_pass_position_stats_equal_the_separate_functions(chunk, monkeypatch):
+    monkeypatch.setattr(L, "CHUNK", chunk)
     g = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(4, 7, 50, generator=g) * 3, -1)
     q = torch.softmax(torch.randn(4, 7, 50, generator=g) * 3, -1)
@@ -118,3 +121,7 @@ def test_one_pass_position_stats_equal_the_separate_functions():
                       ("draft_entropy", L.entropy(q))):
         assert torch.allclose(st[name], ref, atol=1e-5, equal_nan=False), name
     assert st["kl"][0, 0] == float("inf")
+    q_raw = torch.softmax(torch.randn(4, 7, 50, generator=g), -1)
+    st = L.position_stats(p, q, cand, q_raw)
+    assert torch.allclose(st["draft_entropy"], L.entropy(q_raw)) and st["q_cand"].shape == (4, 7)
+    assert torch.equal(st["q_cand"], q_raw.gather(-1, cand[..., None])[..., 0])
