@@ -1,9 +1,10 @@
-"""Do two bench runs agree? python -m decode compare docs/bench/bench.csv runs/bench2/bench.csv
+"""Do two bench runs agree? python -m decode compare docs/bench/bench.csv runs/bench2/bench.csv [--plots DIR]
 
 Rows are matched by (prompt split, method); for each pair of rows the 95% speedup intervals must overlap.
 A threshold chosen on dev can differ between runs: such rows are listed as present in one run only.
 `--split test` keeps the test rows only (for a second run that reused the first run's dev sweep from
-its section cache, whose dev rows are the same numbers and would agree trivially).
+its section cache, whose dev rows are the same numbers and would agree trivially). `--plots DIR` draws
+both runs' intervals side by side, one PNG per prompt split.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import argparse
 import csv
 from pathlib import Path
 
+import numpy as np
+
 from decode.goals import interval_order
+from decode.report import pyplot
 
 
 def read_rows(path: Path, split: str | None = None) -> dict[tuple[str, str], dict]:
@@ -45,16 +49,44 @@ def compare_runs(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict])
     return lines, len(shared), agree
 
 
+def compare_plots(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict], out_dir: Path) -> list[Path]:
+    """One PNG per prompt split: each shared row's speedup and 95% interval in run A and run B, red where apart."""
+    plt, paths = pyplot(), []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split in dict.fromkeys(k[0] for k in a if k in b):
+        keys = [k for k in a if k in b and k[0] == split]
+        fig, ax = plt.subplots(figsize=(7, 1.4 + 0.3 * len(keys)))
+        for offset, run, name in ((-0.17, a, "run A"), (0.17, b, "run B")):
+            s, lo, hi = (np.array([float(run[k][c]) for k in keys]) for c in ("speedup", "speedup_lo", "speedup_hi"))
+            ax.errorbar(s, np.arange(len(keys)) + offset, xerr=[s - lo, hi - s], fmt="o", ms=3, capsize=2, label=name)
+        ax.set_yticks(range(len(keys)), [k[1] for k in keys], fontsize=8)
+        for tick, k in zip(ax.get_yticklabels(), keys):
+            tick.set_color("black" if interval_order(a[k], b[k]) == 0 else "red")
+        ax.axvline(1.0, color="grey", linestyle=":")
+        ax.invert_yaxis()
+        ax.set(xlabel="speedup over the target alone (95% interval)", title=f"{split}: two runs")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / f"compare_{split.replace('/', '_').replace(' ', '_')}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m decode compare", description=__doc__.splitlines()[0])
     ap.add_argument("run_a", type=Path, help="bench.csv of the first run")
     ap.add_argument("run_b", type=Path, help="bench.csv of the second run")
     ap.add_argument("--split", choices=["dev", "test"], help="compare only the rows of this prompt split")
+    ap.add_argument("--plots", type=Path, help="folder for one PNG per prompt split with both runs' intervals")
     args = ap.parse_args(argv)
-    lines, shared, agree = compare_runs(read_rows(args.run_a, args.split), read_rows(args.run_b, args.split))
+    a, b = read_rows(args.run_a, args.split), read_rows(args.run_b, args.split)
+    lines, shared, agree = compare_runs(a, b)
     print("\n".join(lines))
     print(f"\n{agree} of {shared} shared rows have overlapping 95% intervals "
           f"(goal: all) — {'met' if agree == shared and shared else 'NOT met'}")
+    if args.plots:
+        print(f"plots: {', '.join(str(p) for p in compare_plots(a, b, args.plots))}")
 
 
 if __name__ == "__main__":

@@ -25,14 +25,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _line_plot(series: dict[str, list[tuple]], path: Path, xlabel: str, ylabel: str,
-               title: str, dashed: tuple[str, ...] = ()) -> Path:
-    """One line per named series of (x, y) or (x, y, x_lo, x_hi) points, saved as a PNG."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display on a cluster node), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _line_plot(series: dict[str, list[tuple]], path: Path, xlabel: str, ylabel: str,
+               title: str, dashed: tuple[str, ...] = ()) -> Path:
+    """One line per named series of (x, y) or (x, y, x_lo, x_hi) points, saved as a PNG."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, pts in series.items():
         pts = sorted(pts)

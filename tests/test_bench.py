@@ -140,8 +140,10 @@ def test_compare_two_runs(tmp_path, capsys):
     (tmp_path / "b.csv").write_text((tmp_path / "b.csv").read_text() + dev)
     main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
     assert "2 of 3 shared rows" in capsys.readouterr().out
-    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--split", "test"])
+    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--split", "test", "--plots", str(tmp_path / "png")])
     assert "1 of 2 shared rows" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "png").iterdir()] == ["compare_p_test_greedy.png"]  # the dev split is left out
+    assert (tmp_path / "png" / "compare_p_test_greedy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no such file"):
         main([str(tmp_path / "a.csv"), str(tmp_path / "missing.csv")])
 
