@@ -206,10 +206,30 @@ def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
     return [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-budget:] for t in PromptSet(**ps_raw).load()["prompt"]]
 
 
+def fingerprint(methods: list[Method]) -> str:
+    """sha256 of what decides a split's rows beyond its config: the decode and heads sources, the torch and
+    transformers versions, and the weights and config of every head the methods read.
+
+    A saved split is resumed only by the code and heads that made it: after a change to the engine or a
+    retrained head the split runs again instead of mixing two versions in one table.
+    """
+    import transformers
+
+    h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    files = sorted((ROOT / "decode").glob("*.py")) + sorted((ROOT / "heads").glob("*.py"))
+    for head in dict.fromkeys(m.head_dir for m in methods if m.head_dir):
+        files += [ROOT / head / "config.json", ROOT / head / "model.safetensors"]  # ROOT / an absolute path is it
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path) -> list[dict]:
-    """One split of one section, resumed from `cache` when the same work was done before."""
+    """One split of one section, resumed from `cache` when the same code did the same work before."""
     key = hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
-                                     cfg["seed"], cfg["repeats"], pair.config.hash()]).encode()).hexdigest()[:16]
+                                     cfg["seed"], cfg["repeats"], pair.config.hash(),
+                                     fingerprint(methods)]).encode()).hexdigest()[:16]
     path = cache / f"{label.replace('/', '_').replace(' ', '_')}-{key}.json"
     if path.exists():
         saved = json.loads(path.read_text())

@@ -76,6 +76,26 @@ def test_bench_prints_table_and_writes_csv_and_plots(tmp_path, capsys):
     assert [r["speedup"] for r in again] == [r["speedup"] for r in rows]
 
 
+def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path, monkeypatch):
+    import decode.bench as bench
+
+    for f, text in (("decode/engine.py", "v1"), ("heads/head.py", "h1"), ("ck/h/config.json", "{}"),
+                    ("ck/h/model.safetensors", "w1")):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text(text)
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    with_head = [bench.Method("target", kind="target"),
+                 bench.Method("h", policy={"class_path": "x.P", "init_args": {"head_dir": "ck/h"}})]
+    first = bench.fingerprint(with_head)
+    assert bench.fingerprint(with_head) == first  # nothing changed: the split resumes
+    (tmp_path / "ck/h/model.safetensors").write_text("w2")  # a retrained head
+    retrained = bench.fingerprint(with_head)
+    assert retrained != first and bench.fingerprint(with_head[:1]) == bench.fingerprint(with_head[:1])
+    without = bench.fingerprint(with_head[:1])
+    (tmp_path / "decode/engine.py").write_text("v2")  # an engine change
+    assert bench.fingerprint(with_head) != retrained and bench.fingerprint(with_head[:1]) != without
+
+
 def test_bootstrap_interval_and_call_log_cost_model():
     import numpy as np
 
