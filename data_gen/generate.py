@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode.kvcache import crop_cache, new_cache
 from decode.labels import position_stats
-from decode.pair import Pair, crop_cache
+from decode.pair import Pair
 from decode.sampling import transform
 
 KINDS = ("prompt", "draft", "target", "mixed")  # SPRINTER's four prefix kinds
@@ -138,7 +139,8 @@ def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -
     lengths = torch.full((B,), max_new, dtype=torch.long)
     done = torch.zeros(B, dtype=torch.bool)
     # logits_to_keep=1: only the last prompt position's logits are read, not (B, T, V) of them
-    logits = pair.target(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
+    logits = pair.target(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=new_cache(),
+                         use_cache=True, logits_to_keep=1)
     first, cache = pair.logits(logits.logits[:, -1]), logits.past_key_values
     for t in range(max_new):
         probs = transform(pair.logits(logits.logits[:, -1]), s)
@@ -187,8 +189,8 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
     s = pair.config.sampling
     plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
     B, N = y.shape
-    out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, output_hidden_states=True,
-                     logits_to_keep=1)
+    out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=new_cache(), use_cache=True,
+                     output_hidden_states=True, logits_to_keep=1)
     hidden, qs, raws, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], [], []
     for t in range(N):
         logits = pair.logits(out.logits[:, -1])

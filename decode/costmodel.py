@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.pair import crop_cache
+from decode.kvcache import crop_cache
 
 MODELS = ("draft", "target")
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.pair import Pair, crop_cache
+from decode.kvcache import crop_cache
+from decode.pair import Pair
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule
 from decode.sampling import sample, transform

@@ -143,15 +143,6 @@ class Pair:
         return model_identity(getattr(self, which), self.vocab, getattr(self.config, which).path)
 
 
-def crop_cache(cache, length: int) -> None:
-    """Cut a KV cache back to its first `length` positions; a no-op when it holds no more.
-
-    crop() is given the number of positions to drop, as a negative count.
-    """
-    if cache.get_seq_length() > length:
-        cache.crop(length - cache.get_seq_length())
-
-
 def model_identity(model, vocab: int, path: str) -> dict:
     """Path, config hash and sizes of a loaded model: what a head checkpoint records of its draft."""
     cfg = model.config.to_dict()

@@ -1,0 +1,41 @@
+import torch
+
+from decode.kvcache import GrowingLayer, crop_cache, new_cache
+from tests.tiny import tiny_model
+
+
+@torch.no_grad()
+def test_growing_cache_equals_a_fresh_pass_through_feeds_crops_and_growth():
+    model = tiny_model(vocab=40, layers=2, width=16, seed=0)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 40, (1, 60), generator=g)
+    cache = new_cache()
+    model(seq[:, :5], past_key_values=cache, use_cache=True)
+    assert all(isinstance(layer, GrowingLayer) for layer in cache.layers) and cache.get_seq_length() == 5
+    start = cache.layers[0].buffers[0].data_ptr()
+    length = 5
+    for n, back in ((3, 2), (4, 0), (1, 1), (30, 10), (2, 0)):  # feed n, then crop `back` of them away
+        out = model(seq[:, length : length + n], past_key_values=cache, use_cache=True)
+        fresh = model(seq[:, : length + n]).logits[:, -n:]
+        assert torch.allclose(out.logits, fresh, atol=1e-5)
+        if length + n <= 10:  # within the first buffer (room for 2 x 5): written in place, never copied
+            assert cache.layers[0].buffers[0].data_ptr() == start
+        length += n - back
+        crop_cache(cache, length)
+        assert cache.get_seq_length() == length
+    assert cache.layers[0].buffers[0].data_ptr() != start  # it grew once the 30 tokens came
+    ref = model(seq[:, :length], use_cache=True).past_key_values
+    for layer, r in zip(cache.layers, ref.layers):
+        assert layer.keys.shape == r.keys.shape and torch.allclose(layer.keys, r.keys, atol=1e-5)
+        assert torch.allclose(layer.values, r.values, atol=1e-5)
+
+
+@torch.no_grad()
+def test_growing_cache_follows_a_batch_reorder():
+    model = tiny_model(vocab=40, layers=1, width=16, seed=1)
+    seq = torch.randint(0, 40, (3, 12), generator=torch.Generator().manual_seed(1))
+    cache = new_cache()
+    model(seq[:, :6], past_key_values=cache, use_cache=True)
+    cache.layers[0].batch_select_indices(torch.tensor([2, 0]))  # no longer a view of its buffer
+    out = model(seq[[2, 0], 6:8], past_key_values=cache, use_cache=True)
+    assert torch.allclose(out.logits, model(seq[[2, 0], :8]).logits[:, -2:], atol=1e-5)
