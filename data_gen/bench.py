@@ -13,7 +13,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from data_gen.generate import Mixing, RowNoise, label_batch, left_pad, prompt_generator, sample_responses
+from data_gen.generate import Mixing, Phases, RowNoise, label_batch, left_pad, prompt_generator, sample_responses
 from data_gen.prompts import PromptSet
 from decode.pair import load_pair
 
@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         noise = RowNoise.response_only([prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens, pair.vocab)
         return int(sample_responses(pair, ids, mask, noise, args.max_new_tokens).lengths.sum())
 
+    phases = Phases()
+
     def label(chunk):
         recs, _ = label_batch(pair, [c[1] for c in chunk], [c[0] for c in chunk], ["mixed"] * len(chunk),
-                              Mixing(), 0, args.max_new_tokens)
+                              Mixing(), 0, args.max_new_tokens, phases)
         return sum(len(r["z"]) for r in recs)
 
     generate_only(items[:2])  # warm-up
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| whole labelling stage | {args.batch_size} | {lb_s:.1f} | {lb_n} | {lb_n / lb_s:.1f} |")
     print(f"\nlabelling adds {100 * (lb_s / gb_s - 1):.1f}% to the bare generation (goal <= 25%); "
           f"batching gives {(gb_n / gb_s) / (g1_n / g1_s):.2f}x over batch 1 (goal >= 3x)")
+    print("where the labelling stage's time goes: " + ", ".join(
+        f"{name} {100 * t / lb_s:.1f}%" for name, t in phases.seconds.items()))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ batch, process or resumed run labelled it.
 from __future__ import annotations
 
 import hashlib
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -211,23 +213,46 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
     }
 
 
+class Phases:
+    """Seconds spent per phase of label_batch, summed over calls: `with phases("draft walk"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
 @torch.no_grad()
 def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: list[str], mixing: Mixing,
-                seed: int, max_new: int) -> tuple[list[dict], list[torch.Tensor]]:
-    """Token-id prompts -> one record per prompt and its (n_i + 1, H) float16 draft hidden states."""
-    noise = RowNoise.draw([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
+                seed: int, max_new: int, phases: Phases | None = None) -> tuple[list[dict], list[torch.Tensor]]:
+    """Token-id prompts -> one record per prompt and its (n_i + 1, H) float16 draft hidden states.
+
+    `phases` (optional) accumulates the seconds of each phase, for data_gen.bench's breakdown.
+    """
+    phase = phases or (lambda name: nullcontext())
+    with phase("noise"):
+        noise = RowNoise.draw([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
     x, mask = left_pad(prompts, pair.tokenizer.eos_token_id)
-    resp = sample_responses(pair, x, mask, noise.response, max_new)
+    with phase("target sampling"):
+        resp = sample_responses(pair, x, mask, noise.response, max_new)
     y, lengths = resp.tokens, resp.lengths
-    walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise)
-    p = transform(target_logits(pair, resp, mask, walk["z"]), pair.config.sampling)
-    stats = position_stats(p, walk["q"], walk["candidate"], walk["q_raw"])
-    records, feats = [], []
-    rows = {"y": y, "z": walk["z"], "candidate": walk["candidate"], "from_target": walk["from_target"]} | stats
-    rows = {k: v.tolist() for k, v in rows.items()}  # one conversion per column, not per record
-    for b in range(len(prompts)):
-        n = 1 if kinds[b] == "prompt" else int(lengths[b])
-        rec = {"id": ids[b], "kind": kinds[b], "prompt_ids": prompts[b]} | {k: v[b][:n] for k, v in rows.items()}
-        records.append(rec)
-        feats.append(walk["hidden"][b, : n + 1].to(torch.float16).contiguous())
+    with phase("draft walk"):
+        walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise)
+    with phase("target pass over z"):
+        p = transform(target_logits(pair, resp, mask, walk["z"]), pair.config.sampling)
+    with phase("statistics"):
+        stats = position_stats(p, walk["q"], walk["candidate"], walk["q_raw"])
+    with phase("records"):
+        records, feats = [], []
+        rows = {"y": y, "z": walk["z"], "candidate": walk["candidate"], "from_target": walk["from_target"]} | stats
+        rows = {k: v.tolist() for k, v in rows.items()}  # one conversion per column, not per record
+        for b in range(len(prompts)):
+            n = 1 if kinds[b] == "prompt" else int(lengths[b])
+            rec = {"id": ids[b], "kind": kinds[b], "prompt_ids": prompts[b]} | {k: v[b][:n] for k, v in rows.items()}
+            records.append(rec)
+            feats.append(walk["hidden"][b, : n + 1].to(torch.float16).contiguous())
     return records, feats

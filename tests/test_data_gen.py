@@ -12,6 +12,7 @@ import yaml
 
 from data_gen.generate import (
     Mixing,
+    Phases,
     RowNoise,
     label_batch,
     left_pad,
@@ -56,6 +57,17 @@ def test_record_does_not_depend_on_batch_composition(tiny_pair):
     batched, _ = label_batch(tiny_pair, ps, ids, ["mixed"] * 6, Mixing(), seed=1, max_new=8)
     assert alone[0]["z"] == batched[3]["z"] and alone[0]["y"] == batched[3]["y"]
     assert torch.allclose(torch.tensor(alone[0]["alpha"]), torch.tensor(batched[3]["alpha"]), atol=1e-4)
+
+
+def test_phases_time_every_stage_without_changing_the_records(tiny_pair):
+    ps, ids = prompts(4), [f"p{i}" for i in range(4)]
+    phases = Phases()
+    timed, _ = label_batch(tiny_pair, ps, ids, ["mixed"] * 4, Mixing(), seed=2, max_new=6, phases=phases)
+    plain, _ = label_batch(tiny_pair, ps, ids, ["mixed"] * 4, Mixing(), seed=2, max_new=6)
+    assert timed == plain
+    assert list(phases.seconds) == ["noise", "target sampling", "draft walk", "target pass over z", "statistics",
+                                    "records"]
+    assert all(t >= 0 for t in phases.seconds.values())
 
 
 def test_target_logits_from_the_sampling_cache_equal_a_fresh_pass(tiny_pair):
