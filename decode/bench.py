@@ -33,7 +33,7 @@ from decode.goals import goal_lines
 from decode.hf import head_assistant, hf_generate
 from decode.pair import Pair, Sampling, load_pair
 from decode.quality import quality
-from decode.report import pareto_plot, quality_plot, table
+from decode.report import pareto_plot, quality_plot, slug, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,7 +230,7 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     key = hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
                                      cfg["seed"], cfg["repeats"], pair.config.hash(),
                                      fingerprint(methods)]).encode()).hexdigest()[:16]
-    path = cache / f"{label.replace('/', '_').replace(' ', '_')}-{key}.json"
+    path = cache / f"{slug(label)}-{key}.json"
     if path.exists():
         saved = json.loads(path.read_text())
         print(f"\n## {label}: resumed from {path.name}\n\n{saved['cost']}\n\n{table(saved['rows'])}", flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from decode.goals import interval_order
-from decode.report import pyplot
+from decode.report import pyplot, slug
 
 
 def read_rows(path: Path, split: str | None = None) -> dict[tuple[str, str], dict]:
@@ -67,7 +67,7 @@ def compare_plots(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict]
         ax.set(xlabel="speedup over the target alone (95% interval)", title=f"{split}: two runs")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        paths.append(out_dir / f"compare_{split.replace('/', '_').replace(' ', '_')}.png")
+        paths.append(out_dir / f"compare_{slug(split)}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths

@@ -25,6 +25,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def slug(label: str) -> str:
+    """A split's label ("pycode/test greedy") as a file-name part ("pycode_test_greedy")."""
+    return label.replace("/", "_").replace(" ", "_")
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display on a cluster node), imported on first use."""
     import matplotlib
