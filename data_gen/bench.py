@@ -1,39 +1,71 @@
 """Cost of labelling against the target's bare generation, and what batching buys.
 
-    python -m data_gen.bench --pair configs/pairs/pycode.yaml --prompts 32 --batch-size 16
+    python -m data_gen.bench --pair configs/pairs/pycode.yaml --prompts 48 --batch-size 16 --repeats 3
 
-Same prompts, same seeds, same responses for every row; prints one table.
+Same prompts, same seeds, same responses for every stage. The three stages (bare generation at batch 1,
+bare at batch B, labelling at batch B) run back to back on each chunk of B prompts, in an order rotated
+per chunk and repeat, so drift of the machine falls on all of them alike. Ratios are paired per chunk
+and repeat; each comes with the 95% bootstrap interval of its geometric mean (one run of each stage
+moved the ratio by more than 10 points between sessions, so a single figure says little).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from data_gen.generate import Mixing, Phases, RowNoise, label_batch, left_pad, prompt_generator, sample_responses
 from data_gen.prompts import PromptSet
+from decode.costmodel import bootstrap_ci
 from decode.pair import load_pair
 
 
-def timed_batches(fn, items: list, batch: int) -> tuple[float, int]:
-    """Seconds and tokens of fn over items in batches."""
-    total, tokens = 0.0, 0
-    for i in tqdm(range(0, len(items), batch), leave=False):
-        t0 = time.perf_counter()
-        tokens += fn(items[i : i + batch])
-        total += time.perf_counter() - t0
-    return total, tokens
+def interleaved(stages: list[Callable[[list], int]], chunks: list[list], repeats: int) -> tuple[np.ndarray, np.ndarray]:
+    """Run every stage on every chunk, repeats times -> (C, R, S) seconds, (S,) tokens of one repeat.
+
+    Stage order is rotated by (chunk + repeat), so no stage always runs first or after the same one.
+    """
+    S = len(stages)
+    seconds, tokens = np.zeros((len(chunks), repeats, S)), np.zeros(S, dtype=np.int64)
+    with tqdm(total=len(chunks) * repeats * S, desc="data_gen.bench", leave=False) as bar:
+        for r in range(repeats):
+            for c, chunk in enumerate(chunks):
+                for k in range(S):
+                    s = (k + c + r) % S
+                    t0 = time.perf_counter()
+                    n = stages[s](chunk)
+                    seconds[c, r, s] = time.perf_counter() - t0
+                    if r == 0:
+                        tokens[s] += n
+                    bar.update()
+    return seconds, tokens
+
+
+def paired_ratio(num: np.ndarray, den: np.ndarray) -> tuple[float, float, float]:
+    """(C, R) seconds of two stages -> geometric mean of num/den and its 95% bootstrap interval (chunks, repeats)."""
+    logs = np.log(num / den)
+    lo, hi = bootstrap_ci(logs)
+    return float(np.exp(logs.mean())), float(np.exp(lo)), float(np.exp(hi))
+
+
+def verdict(lo: float, hi: float, goal: float, at_most: bool) -> str:
+    """'met' / 'NOT met' when the whole interval is on one side of the goal, else 'not separated'."""
+    good, bad = (hi <= goal, lo > goal) if at_most else (lo >= goal, hi < goal)
+    return "met" if good else "NOT met" if bad else "not separated by the interval"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="configs/pairs/pycode.yaml")
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -42,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     budget = pair.config.max_context - args.max_new_tokens  # the labelling stage's truncation rule
     items = [(f"bench/{r['id']}", pair.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][-budget:])
              for r in rows]
+    B = args.batch_size
 
-    def generate_only(chunk):
+    def bare(chunk):
         ids, mask = left_pad([c[1] for c in chunk], pair.tokenizer.eos_token_id)
         noise = RowNoise.response_only([prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens, pair.vocab)
         return int(sample_responses(pair, ids, mask, noise, args.max_new_tokens).lengths.sum())
@@ -55,19 +88,26 @@ def main(argv: list[str] | None = None) -> None:
                               Mixing(), 0, args.max_new_tokens, phases)
         return sum(len(r["z"]) for r in recs)
 
-    generate_only(items[:2])  # warm-up
-    g1_s, g1_n = timed_batches(generate_only, items, 1)
-    gb_s, gb_n = timed_batches(generate_only, items, args.batch_size)
-    lb_s, lb_n = timed_batches(label, items, args.batch_size)
-    print(f"\n{len(items)} pycode dev prompts, up to {args.max_new_tokens} new tokens, {args.threads} threads")
+    bare(items[:2])  # warm-up
+    names = ["target generation only", "target generation only", "whole labelling stage"]
+    stages = [lambda chunk: sum(bare([item]) for item in chunk), bare, label]
+    chunks = [items[i : i + B] for i in range(0, len(items), B)]
+    seconds, tokens = interleaved(stages, chunks, args.repeats)
+    per_repeat = seconds.sum(0).mean(0)  # (S,) seconds of one pass over all prompts
+    print(f"\n{len(items)} pycode dev prompts in {len(chunks)} chunks of {B}, up to {args.max_new_tokens} new tokens, "
+          f"{args.repeats} interleaved repeats, {args.threads} threads; seconds are the mean of one repeat")
     print("| stage | batch | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
-    print(f"| target generation only | 1 | {g1_s:.1f} | {g1_n} | {g1_n / g1_s:.1f} |")
-    print(f"| target generation only | {args.batch_size} | {gb_s:.1f} | {gb_n} | {gb_n / gb_s:.1f} |")
-    print(f"| whole labelling stage | {args.batch_size} | {lb_s:.1f} | {lb_n} | {lb_n / lb_s:.1f} |")
-    print(f"\nlabelling adds {100 * (lb_s / gb_s - 1):.1f}% to the bare generation (goal <= 25%); "
-          f"batching gives {(gb_n / gb_s) / (g1_n / g1_s):.2f}x over batch 1 (goal >= 3x)")
+    for name, batch, s, n in zip(names, [1, B, B], per_repeat, tokens):
+        print(f"| {name} | {batch} | {s:.1f} | {n} | {n / s:.1f} |")
+    lab, lab_lo, lab_hi = paired_ratio(seconds[..., 2], seconds[..., 1])
+    bat, bat_lo, bat_hi = paired_ratio(seconds[..., 0], seconds[..., 1])
+    print(f"\nlabelling takes {lab:.3f}x [{lab_lo:.3f}, {lab_hi:.3f}] the bare generation's time "
+          f"(goal <= 1.25x: {verdict(lab_lo, lab_hi, 1.25, at_most=True)}); "
+          f"batching gives {bat:.2f}x [{bat_lo:.2f}, {bat_hi:.2f}] over batch 1 "
+          f"(goal >= 3x: {verdict(bat_lo, bat_hi, 3.0, at_most=False)})")
+    total = seconds[..., 2].sum()
     print("where the labelling stage's time goes: " + ", ".join(
-        f"{name} {100 * t / lb_s:.1f}%" for name, t in phases.seconds.items()))
+        f"{name} {100 * t / total:.1f}%" for name, t in phases.seconds.items()))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -257,3 +258,36 @@ def test_sigterm_stops_cleanly_and_the_resume_loses_and_repeats_nothing(tmp_path
     assert f"{kept} already labelled" in res.stdout
     ids = load_split(out, "jsonl_train")["id"]
     assert len(ids) == len(set(ids)) == 61
+
+
+def test_bench_runs_every_stage_on_every_chunk_in_rotated_order_and_pairs_ratios():
+    from data_gen.bench import interleaved, paired_ratio, verdict
+
+    calls = []
+    stages = [lambda chunk, s=s: calls.append((s, tuple(chunk))) or len(chunk) for s in range(3)]
+    chunks = [[1, 2], [3], [4, 5]]
+    seconds, tokens = interleaved(stages, chunks, repeats=2)
+    assert seconds.shape == (3, 2, 3) and (seconds > 0).all()
+    assert tokens.tolist() == [5, 5, 5]  # tokens of one repeat, not of all
+    assert len(calls) == 18 and all(calls.count((s, tuple(c))) == 2 for s in range(3) for c in chunks)
+    firsts = [calls[i][0] for i in range(0, 18, 3)]
+    assert sorted(set(firsts)) == [0, 1, 2]  # no stage always runs first
+    den = np.array([[1.0, 2.0], [3.0, 4.0], [0.5, 1.5]])
+    g, lo, hi = paired_ratio(1.2 * den, den)
+    assert g == pytest.approx(1.2) and lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+    g, lo, hi = paired_ratio(den * np.array([[1.1, 1.3], [1.2, 1.0], [1.25, 1.15]]), den)
+    assert lo < g < hi and 1.0 <= lo and hi <= 1.3
+    assert verdict(1.1, 1.2, 1.25, at_most=True) == "met"
+    assert verdict(1.3, 1.4, 1.25, at_most=True) == "NOT met"
+    assert verdict(1.2, 1.3, 1.25, at_most=True).startswith("not separated")
+    assert verdict(3.1, 3.5, 3.0, at_most=False) == "met" and verdict(2.0, 2.9, 3.0, at_most=False) == "NOT met"
+
+
+def test_bench_command_prints_its_table_on_the_tiny_pair(tiny_pair_yaml, capsys):
+    from data_gen.bench import main
+
+    main(["--pair", str(tiny_pair_yaml), "--prompts", "4", "--batch-size", "2", "--max-new-tokens", "4",
+          "--repeats", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| whole labelling stage | 2 |" in out and "goal <= 1.25x:" in out
+    assert "target sampling" in out and "4 pycode dev prompts in 2 chunks of 2" in out
