@@ -79,6 +79,22 @@ def test_position_stats_shapes():
     assert torch.allclose(stats["q_cand"], q.gather(-1, cand[..., None])[..., 0])
 
 
+def test_sample_draws_each_token_with_its_probability_and_never_a_zero():
+    from scipy.stats import chisquare
+
+    law = torch.tensor([0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0])  # zeros first, inside and last
+    n = 20000
+    draws = sample(law.expand(n, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=law.numel()).double()
+    assert draws.shape == (n,) and (counts[law == 0] == 0).all()
+    assert chisquare(counts[law > 0].numpy(), (n * law[law > 0]).double().numpy()).pvalue > 1e-3
+    # unnormalised weights, and rows whose whole mass is on the first or the last token
+    edge = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 3.0]]).repeat(50, 1)
+    assert sample(edge, torch.Generator().manual_seed(1)).tolist() == [0, 2] * 50
+    again = sample(law.expand(n, -1), torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)  # one generator, one sequence of draws
+
+
 def test_sampling_transform():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     greedy = transform(logits, Sampling(temperature=0))
