@@ -72,6 +72,16 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(-1)
 
 
+def one_hot(p: torch.Tensor) -> bool:
+    """(..., V) distributions -> True when every row has exactly one token of nonzero mass (a greedy target,
+    or a top-p nucleus of one token).
+
+    Then min(1, p(x) / q(x)) is 1 for that token and 0 for any other x with q(x) > 0, and
+    norm(max(0, p - q)) is p: speculative sampling reduces to greedy matching and needs no draw.
+    """
+    return bool(((p > 0).sum(-1) == 1).all())
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (..., V) norm(max(0, p - q)), the resampling law after a rejection; p where p == q."""
     r = (p - q).clamp_min(0.0)

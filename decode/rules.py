@@ -30,6 +30,8 @@ class SpeculativeSampling(Rule):
     lossless = True
 
     def verify(self, tokens, q, p, gen):
+        if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
+            return greedy_verify(tokens, p)
         k = len(tokens)
         rows = torch.arange(k)
         # Every alpha in one tensor op; the uniforms are still drawn one per token, in order, until a rejection.
@@ -43,17 +45,22 @@ class SpeculativeSampling(Rule):
         return L.residual(p_i, q_i)
 
 
+def greedy_verify(tokens: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
+    """(k,) draft tokens, (k + 1, V) p -> accepted while each is the target's argmax, then the argmax."""
+    best = p.argmax(-1).tolist()  # one conversion, then plain ints: no tensor indexing per token
+    for i, x in enumerate(tokens.tolist()):
+        if x != best[i]:
+            return i, best[i]
+    return len(tokens), best[len(tokens)]
+
+
 class GreedyMatch(Rule):
     """Accept while the draft token is the target's argmax; emit the target's argmax next."""
 
     lossless = True
 
     def verify(self, tokens, q, p, gen):
-        best = p.argmax(-1).tolist()  # one conversion, then plain ints: no tensor indexing per token
-        for i, x in enumerate(tokens.tolist()):
-            if x != best[i]:
-                return i, best[i]
-        return len(tokens), best[len(tokens)]
+        return greedy_verify(tokens, p)
 
 
 class FSD(Rule):

@@ -2,6 +2,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from decode import labels as L
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.policies import FixedK, Oracle, SamplingMismatch, SpecDecPP, SprinterVerifier
 from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck
@@ -122,6 +123,36 @@ def test_sprinter_with_always_rejecting_verifier_is_sd_with_k1(tiny_pair, tmp_pa
         ra = SpeculativeDecoder(tiny_pair, SprinterVerifier(verifier, eta=0.5), SprinterCheck(), seed=7).generate(prompt, 16)
         rb = SpeculativeDecoder(tiny_pair, FixedK(1), SpeculativeSampling(), seed=7).generate(prompt, 16)
         assert ra.tokens == rb.tokens and ra.stats.target_calls == rb.stats.target_calls
+
+
+def test_speculative_sampling_on_a_one_hot_target_decides_as_the_full_rule_without_draws(monkeypatch):
+    """(k,) candidates drawn from q, (k + 1, V) one-hot p: the shortcut returns what min(1, p/q) and the
+    residual return, and leaves the generator untouched."""
+    g = torch.Generator().manual_seed(13)
+    cases = []
+    for _ in range(300):
+        k = int(torch.randint(1, 6, (), generator=g))
+        q = torch.softmax(torch.randn(k, 30, generator=g) * 2, -1)
+        tokens = torch.multinomial(q, 1, generator=g)[:, 0]
+        agree = torch.rand(k + 1, generator=g) < 0.7  # the target's argmax is the candidate, or any token
+        best = torch.where(agree, torch.cat([tokens, tokens[:1]]), torch.randint(0, 30, (k + 1,), generator=g))
+        cases.append((tokens, q, torch.zeros(k + 1, 30).scatter_(-1, best[:, None], 1.0)))
+
+    def decide():
+        out = []
+        for tokens, q, p in cases:
+            gen = torch.Generator().manual_seed(0)
+            out.append(SpeculativeSampling().verify(tokens, q, p, gen))
+            out.append(torch.equal(gen.get_state(), torch.Generator().manual_seed(0).get_state()))
+        return out
+
+    fast = decide()
+    assert all(fast[1::2])  # nothing drawn
+    monkeypatch.setattr(L, "one_hot", lambda p: False)  # the general rule, drawing its uniforms
+    full = decide()
+    assert fast[0::2] == full[0::2] and not any(full[1::2])
+    accepted = [n == len(tokens) for (n, _), (tokens, _, _) in zip(fast[0::2], cases)]
+    assert any(accepted) and not all(accepted)  # both outcomes were exercised
 
 
 def test_fly_with_theta_one_is_greedy_match(tiny_pair):
