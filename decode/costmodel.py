@@ -1,8 +1,11 @@
 """A measured cost model of the pair, and bootstrap intervals for paired speedups.
 
-The cost model times each model's forward the way decoding runs it, at the start of a bench section and again
+The cost model times each model's step the way decoding runs it, at the start of a bench section and again
 after each quarter of its prompts (the mean is used, so drift during the section falls on it as on the runs):
-a cached forward of n new tokens, with the cache growing through the generation's length, in two states:
+a cached forward of n new tokens, with the cache growing through the generation's length, followed by the
+section's sampling work on its logits (the transform of the rows decoding reads and one draw: under top-p that
+is a sort of the vocabulary per row, 5 to 8% of a target step on a fast machine, and it also leaves the next
+forward running as it runs in decoding, after that work rather than straight after another forward), in two states:
 right after a forward of the same model ("warm") and right after the other model's ("switched": a small
 model can run slower once a large one has evicted its weights and cache; describe() prints both). Every n up
 to 9 is timed, a sparse tail beyond (linear between), each cell in a seeded shuffled order so slow spells of
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 from decode.kvcache import crop_cache
+from decode.sampling import sample, transform
 
 MODELS = ("draft", "target")
 
@@ -44,11 +48,14 @@ def _prefill_ms(model, ids: torch.Tensor, repeats: int) -> float:
 
 class _Timer:
     """Both models with their caches over one prefix; forward(name, n) feeds n tokens, growing the cache
-    as decoding does and cropping back to the prefix once it has grown by `growth` positions."""
+    as decoding does and cropping back to the prefix once it has grown by `growth` positions, then picks a
+    token under the pair's sampling setting: the target transforms all n rows (the verification reads each),
+    the draft its last row (the new candidate's q)."""
 
     def __init__(self, pair, prefix: torch.Tensor, growth: int):
         self.models = {m: getattr(pair, m) for m in MODELS}
-        self.prefix, self.growth = prefix, growth
+        self.prefix, self.growth, self.pair = prefix, growth, pair
+        self.gen = torch.Generator().manual_seed(0)
         self.caches = {m: self.models[m](prefix, use_cache=True).past_key_values for m in MODELS}
 
     @torch.no_grad()
@@ -58,13 +65,16 @@ class _Timer:
             crop_cache(cache, length)
         x = self.prefix[:, -n:] if length >= n else self.prefix.repeat(1, n)[:, :n]
         t0 = time.perf_counter()
-        self.models[name](x, past_key_values=cache, use_cache=True)
+        logits = self.pair.logits(self.models[name](x, past_key_values=cache, use_cache=True).logits[0])
+        s = self.pair.config.sampling
+        probs = transform(logits if name == "target" else logits[-1:], s)[-1]
+        int(probs.argmax()) if s.temperature == 0 else int(sample(probs, self.gen))
         return 1e3 * (time.perf_counter() - t0)
 
 
 @dataclass
 class CostModel:
-    """ms per forward of n new tokens: step[model][n - 1] after a forward of the same model, switched[model][n - 1]
+    """ms per step (forward and sampling work) of n new tokens: step[model][n - 1] after a step of the same model, switched[model][n - 1]
     after one of the other model (absent: as step); prefill[model] as (lengths, ms)."""
 
     step: dict[str, list[float]] = field(default_factory=dict)
@@ -132,7 +142,7 @@ class CostModel:
     def describe(self) -> str:
         d, t = self.step["draft"], self.step["target"]
         sd, st = self.switched.get("draft", d), self.switched.get("target", t)
-        return (f"draft step {d[0]:.2f} ms ({sd[0]:.2f} after a target forward), target forward {t[0]:.2f} ms "
+        return (f"draft step {d[0]:.2f} ms ({sd[0]:.2f} after a target step), target step {t[0]:.2f} ms "
                 f"(1 token; {st[0]:.2f} after a draft step) .. {t[-1]:.2f} ms ({len(t)} tokens), "
                 f"ratio {t[0] / d[0]:.1f}x")
 

@@ -168,6 +168,27 @@ def test_compare_two_runs(tmp_path, capsys):
         main([str(tmp_path / "a.csv"), str(tmp_path / "missing.csv")])
 
 
+def test_compare_warns_when_the_runs_model_steps_differ(tmp_path, capsys):
+    """Per split, ms per token of the target alone and the draft alone: a 30% faster target in one split is flagged."""
+    from decode.compare import main
+
+    head = "prompts,method,kind,speedup,speedup_lo,speedup_hi,target_calls,draft_calls,t_target_s,t_draft_s\n"
+
+    def run(target_s):
+        return head + "".join(f"{p},target,target,1,1,1,100,0,{t},0\n{p},draft,draft,5,4,6,0,100,0,0.25\n"
+                              for p, t in (("p/test greedy", 1.3), ("p/test t1", target_s)))
+
+    (tmp_path / "a.csv").write_text(run(1.3))
+    (tmp_path / "b.csv").write_text(run(0.9))
+    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    out = capsys.readouterr().out
+    assert "| p/test greedy | 13.00 | 13.00 | 2.50 | 2.50 |" in out and "| p/test t1 | 13.00 | 9.00 |" in out
+    assert "warning: in 1 of 2 splits" in out and "(p/test t1)" in out
+    (tmp_path / "b.csv").write_text(run(1.2))  # 8% apart: within the drift of one machine
+    main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_each_section_names_its_heads_with_their_dev_auroc(tmp_path):
     import json
 
@@ -226,3 +247,18 @@ def test_paired_goals_are_symmetric_when_a_few_prompts_have_large_ratios():
     ab, ba = paired({"ratios": a}, {"ratios": b}), paired({"ratios": b}, {"ratios": a})
     assert abs(ab[0] * ba[0] - 1) < 1e-12 and ab[0] < 1 < ba[0]  # one of them wins, not both
     assert abs(ab[1] * ba[2] - 1) < 1e-9 and abs(ab[2] * ba[1] - 1) < 1e-9
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}])
+def test_cost_model_times_each_step_with_the_sections_sampling_work(tiny_pair, sampling):
+    """Every cell of the step tables is filled on the tiny pair, greedy and under top-p (the transform of the
+    target's n rows and the draw run inside each timed step)."""
+    from decode.costmodel import CostModel
+
+    pair = tiny_pair.with_sampling(**sampling)
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 14)]
+    cm = CostModel.measure(pair, prompts, n_max=6, repeats=1, growth=8)
+    assert [len(cm.step[m]) for m in ("draft", "target")] == [4, 6] == [len(cm.switched[m]) for m in ("draft", "target")]
+    assert all(ms > 0 for m in cm.step for ms in cm.step[m] + cm.switched[m])
+    assert cm.prefill["target"][0] == [5, 9, 14] and cm.predict_s([("target", 1)] * 2) == pytest.approx(2e-3 * cm.step["target"][0])
+    assert "target step" in cm.describe()
