@@ -5,6 +5,10 @@ A threshold chosen on dev can differ between runs: such rows are listed as prese
 `--split test` keeps the test rows only (for a second run that reused the first run's dev sweep from
 its section cache, whose dev rows are the same numbers and would agree trivially). `--plots DIR` draws
 both runs' intervals side by side, one PNG per prompt split.
+
+Speedups depend on the machine (on the ratio of the target's step to the draft's), so the comparison also prints
+each split's ms per token of the target alone and of the draft alone in both runs, and warns where they differ by
+more than 20%: such runs ran on different machines or under different load, and need not agree.
 """
 
 from __future__ import annotations
@@ -49,6 +53,28 @@ def compare_runs(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict])
     return lines, len(shared), agree
 
 
+def step_ms(rows: dict[tuple[str, str], dict], split: str) -> tuple[float, float] | None:
+    """ms per token of the target alone and of the draft alone in one split (None: rows without timers)."""
+    def of(kind, model):
+        r = next((r for (p, _), r in rows.items() if p == split and r.get("kind") == kind), None)
+        return 1e3 * float(r[f"t_{model}_s"]) / float(r[f"{model}_calls"]) if r and r.get(f"t_{model}_s") else None
+
+    t, d = of("target", "target"), of("draft", "draft")
+    return (t, d) if t and d else None
+
+
+def machine_lines(a: dict, b: dict, tolerance: float = 0.2) -> tuple[list[str], list[str]]:
+    """Markdown lines of both runs' ms per token by split, and the splits whose steps differ beyond tolerance."""
+    lines, apart = ["| prompts | target ms/token A | B | draft ms/token A | B |", "|---|---|---|---|---|"], []
+    for split in dict.fromkeys(k[0] for k in a if k in b):
+        sa, sb = step_ms(a, split), step_ms(b, split)
+        if sa and sb:
+            lines.append(f"| {split} | {sa[0]:.2f} | {sb[0]:.2f} | {sa[1]:.2f} | {sb[1]:.2f} |")
+            if any(abs(y / x - 1) > tolerance for x, y in zip(sa, sb)):
+                apart.append(split)
+    return (lines if len(lines) > 2 else []), apart
+
+
 def compare_plots(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict], out_dir: Path) -> list[Path]:
     """One PNG per prompt split: each shared row's speedup and 95% interval in run A and run B, red where apart."""
     plt, paths = pyplot(), []
@@ -85,6 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     print(f"\n{agree} of {shared} shared rows have overlapping 95% intervals "
           f"(goal: all) — {'met' if agree == shared and shared else 'NOT met'}")
+    steps, apart = machine_lines(a, b)
+    if steps:
+        print("\nmodel steps (the target alone's and the draft alone's timers):\n\n" + "\n".join(steps))
+    if apart:
+        print(f"\nwarning: in {len(apart)} of {len(steps) - 2} splits a model's step differs by more than 20% between "
+              f"the runs ({', '.join(apart)}): they ran on different machines or under different load, so their "
+              f"speedups need not agree; compare runs made back to back on one machine")
     if args.plots:
         print(f"plots: {', '.join(str(p) for p in compare_plots(a, b, args.plots))}")
 
