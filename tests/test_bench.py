@@ -92,6 +92,8 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
     retrained = bench.fingerprint(with_head)
     assert retrained != first and bench.fingerprint(with_head[:1]) == bench.fingerprint(with_head[:1])
     without = bench.fingerprint(with_head[:1])
+    (tmp_path / "decode/compare.py").write_text("c2")  # reads saved rows, makes none: the split still resumes
+    assert bench.fingerprint(with_head) == retrained and bench.fingerprint(with_head[:1]) == without
     (tmp_path / "decode/engine.py").write_text("v2")  # an engine change
     assert bench.fingerprint(with_head) != retrained and bench.fingerprint(with_head[:1]) != without
 
