@@ -115,11 +115,20 @@ def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor,
     return {k: torch.cat([d[k] for d in parts]).reshape(cand.shape) for k in parts[0]}
 
 
+def _dot_log(a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """(M, V) a, (M, V) log b -> (M,) sum of xlogy(a, b): 0 where a = 0, -inf where a > 0 = b.
+
+    Three logs shared by six sums: xlogy takes a log per call and is not vectorised (200 us against
+    60 for a log and 17 for this product on a (16, 4096) chunk here).
+    """
+    return (a * log_b).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf).sum(-1)
+
+
 def _stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, q_raw: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """(M, V) p, q, (M,) candidates [, (M, V) q_raw] -> dict of (M,) quantities (see position_stats).
 
     The same values as kl, js, tv, entropy and expected_acceptance above, with the shared terms
-    (p log p, q log q, the logs of p, q and their mixture) computed once per position.
+    (the logs of p, q and their mixture) computed once per position.
     The draft's confidence (q_cand, draft_top1, draft_entropy) comes from q_raw, the softmax of its raw
     logits, when given: that is what the decoder's confidence rules and head features read, and under
     greedy decoding the transformed q is one-hot and says nothing. The labels always use q.
@@ -127,13 +136,13 @@ def _stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, q_raw: torch.Te
     p_c = p.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
     q_c = q.gather(-1, cand.unsqueeze(-1)).squeeze(-1)
     conf = q if q_raw is None else q_raw
-    plogp, qlogq = torch.xlogy(p, p), torch.xlogy(q, q)
-    m = 0.5 * (p + q)
-    h_p, h_q = -plogp.sum(-1), -qlogq.sum(-1)
-    js_val = 0.5 * (torch.xlogy(p, m).sum(-1).neg() - h_p) + 0.5 * (torch.xlogy(q, m).sum(-1).neg() - h_q)
+    log_p, log_q, log_m = p.log(), q.log(), (0.5 * (p + q)).log()
+    plogp, qlogq = _dot_log(p, log_p), _dot_log(q, log_q)
+    h_p, h_q = -plogp, -qlogq
+    js_val = 0.5 * (plogp - _dot_log(p, log_m)) + 0.5 * (qlogq - _dot_log(q, log_m))
     tv_val = (0.5 * (p - q).abs().sum(-1)).clamp(0.0, 1.0)
-    kl_pq = (-h_p - torch.xlogy(p, q).sum(-1)).nan_to_num(nan=math.inf, posinf=math.inf)
-    kl_qp = (-h_q - torch.xlogy(q, p).sum(-1)).nan_to_num(nan=math.inf, posinf=math.inf)
+    kl_pq = (plogp - _dot_log(p, log_q)).nan_to_num(nan=math.inf, posinf=math.inf)
+    kl_qp = (qlogq - _dot_log(q, log_p)).nan_to_num(nan=math.inf, posinf=math.inf)
     return {
         "p_cand": p_c,
         "q_cand": conf.gather(-1, cand.unsqueeze(-1)).squeeze(-1),

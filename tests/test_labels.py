@@ -106,6 +106,9 @@ def test_sampling_transform():
     assert (nucleus[0, :2] > 0).all() and (nucleus[0, 2:] == 0).all()
     hot = transform(logits, Sampling(temperature=0.5))
     assert hot[0, 0] > transform(logits, Sampling())[0, 0]
+    assert torch.equal(hot, (logits / 0.5).softmax(-1))
+    wide = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(transform(wide, Sampling()), (wide / 1.0).softmax(-1))  # T = 1 skips the division exactly
 
 
 def test_nucleus_keeps_the_sorted_prefix_whose_preceding_mass_is_below_top_p():
