@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from decode.kvcache import crop_cache
-from decode.sampling import sample, transform
+from decode.sampling import argmax, pick, sample, transform
 
 MODELS = ("draft", "target")
 
@@ -67,8 +67,11 @@ class _Timer:
         t0 = time.perf_counter()
         logits = self.pair.logits(self.models[name](x, past_key_values=cache, use_cache=True).logits[0])
         s = self.pair.config.sampling
-        probs = transform(logits if name == "target" else logits[-1:], s)[-1]
-        int(probs.argmax()) if s.temperature == 0 else int(sample(probs, self.gen))
+        if name == "target":  # the rule transforms every verified row, then takes the last one's token
+            probs = transform(logits, s)[-1]
+            int(argmax(probs)) if s.temperature == 0 else int(sample(probs, self.gen))
+        else:
+            pick(logits[-1], s, self.gen)
         return 1e3 * (time.perf_counter() - t0)
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from decode import labels as L
-from decode.sampling import sample
+from decode.sampling import argmax, sample
 
 
 class Rule:
@@ -47,7 +47,7 @@ class SpeculativeSampling(Rule):
 
 def greedy_verify(tokens: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
     """(k,) draft tokens, (k + 1, V) p -> accepted while each is the target's argmax, then the argmax."""
-    best = p.argmax(-1).tolist()  # one conversion, then plain ints: no tensor indexing per token
+    best = argmax(p).tolist()  # one conversion, then plain ints: no tensor indexing per token
     for i, x in enumerate(tokens.tolist()):
         if x != best[i]:
             return i, best[i]
@@ -105,7 +105,7 @@ class FLy(Rule):
         self.theta, self.window = theta, window
 
     def verify(self, tokens, q, p, gen):
-        k, best = len(tokens), p.argmax(-1)
+        k, best = len(tokens), argmax(p)
         match = (tokens == best[:k]).tolist()
         h_norm = (L.entropy(p[:k]) / math.log(p.shape[-1])).tolist()
         for i in range(k):

@@ -19,7 +19,7 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """
     logits = logits.float()
     if s.temperature == 0:  # scatter into zeros: no (..., V) int64 one_hot and no copy to float
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     if s.temperature != 1.0:  # x / 1 == x: skip a pass over (..., V) (6.3M values per labelled batch)
         logits = logits / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
@@ -28,6 +28,38 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     if s.top_p < 1.0:
         logits = logits.masked_fill(~nucleus(logits.softmax(-1), s.top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) int64 index of the first maximum of each row, as torch.argmax(-1) gives.
+
+    numpy's argmax over the last dimension took 1.7 us on a (5, 4096) tensor here where torch's took 27
+    (6.4 against 1.6 on one row, 4.1 against 0.9 ms on (16, 96, 4096)): a greedy round takes it once per
+    candidate and once over the k + 1 verified rows.
+    """
+    return torch.from_numpy(np.asarray(as_numpy(x).argmax(-1)))
+
+
+def as_numpy(x: torch.Tensor) -> np.ndarray:
+    """A float tensor's values as a numpy array: a view for float32/64 on the CPU, else a float32 copy."""
+    x = x.detach().cpu()
+    return x.numpy() if x.dtype in (torch.float32, torch.float64) else x.float().numpy()
+
+
+def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+    """(V,) logits -> the next token and (V,) its distribution under s, as decoding reads them.
+
+    Greedy: the argmax and its one-hot, found in one pass with nothing drawn, all in numpy (27 us right after
+    a draft forward here, where torch's transform and argmax took 64 to 70: the first calls after a forward run
+    on cold caches, and numpy's paths are shorter); else a draw from transform.
+    """
+    if s.temperature == 0:
+        tok = int(as_numpy(logits).argmax())
+        q = np.zeros(logits.shape[-1], dtype=np.float32)
+        q[tok] = 1.0
+        return tok, torch.from_numpy(q)
+    q = transform(logits, s)
+    return int(sample(q, generator)), q
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -102,6 +102,24 @@ def test_call_log_keeps_the_order_of_the_forwards(tiny_pair):
     assert set(after_target) == {"draft"}
 
 
+def test_streaming_is_timed_apart_from_the_engine(tiny_pair):
+    """The caller's on_tokens runs inside wall but is its own line of the profile, not engine overhead."""
+    seen = []
+
+    def slow_stream(new):  # work the caller does, in the timed loop
+        seen.extend(new)
+        sum(i * i for i in range(20000))
+
+    for dec in (SpeculativeDecoder(tiny_pair, FixedK(2), GreedyMatch()), Autoregressive(tiny_pair)):
+        out = dec.generate(PROMPTS[5], 12, on_tokens=slow_stream)
+        s = out.stats.summary()
+        assert seen[-len(out.tokens):] == out.tokens and 0 < s["t_stream_s"] < s["wall_s"]
+        parts = sum(s[k] for k in ("t_draft_s", "t_target_s", "t_head_s", "t_sample_s", "t_rule_s", "t_other_s",
+                                   "t_stream_s"))
+        assert parts == pytest.approx(s["wall_s"], rel=1e-6) or s["t_other_s"] == 0
+    assert "streaming" in out.stats.profile() and "minus model forwards and streaming" in out.stats.profile()
+
+
 def test_fsd_with_zero_threshold_samples_only_from_the_target(tiny_pair):
     dec = SpeculativeDecoder(tiny_pair, FixedK(3), FSD("js", threshold=0.0))
     for prompt in PROMPTS[:4]:

@@ -5,7 +5,7 @@ import torch
 
 from decode import labels as L
 from decode.pair import Sampling
-from decode.sampling import sample, transform
+from decode.sampling import argmax, pick, sample, transform
 
 
 def rand_dist(*shape, seed=0):
@@ -109,6 +109,20 @@ def test_sampling_transform():
     assert torch.equal(hot, (logits / 0.5).softmax(-1))
     wide = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0)) * 4
     assert torch.equal(transform(wide, Sampling()), (wide / 1.0).softmax(-1))  # T = 1 skips the division exactly
+
+
+def test_argmax_and_pick_give_what_torch_and_transform_give():
+    g = torch.Generator().manual_seed(3)
+    ties = torch.randint(0, 4, (64, 50), generator=g).float()  # many rows with several maxima: the first wins
+    for x in (ties, ties[0], ties.view(4, 16, 50), ties.to(torch.bfloat16), ties.t()):  # also not contiguous
+        assert torch.equal(argmax(x), x.argmax(-1))
+    assert L.one_hot(transform(ties, Sampling(temperature=0))) and not L.one_hot(transform(ties, Sampling()))
+    for s in (Sampling(temperature=0), Sampling(), Sampling(temperature=0.7, top_p=0.9)):
+        for row in ties[:8]:
+            tok, q = pick(row, s, torch.Generator().manual_seed(1))
+            ref = transform(row, s)
+            expect = int(row.argmax()) if s.temperature == 0 else int(sample(ref, torch.Generator().manual_seed(1)))
+            assert tok == expect and q.dtype == ref.dtype and torch.equal(q, ref)
 
 
 def test_nucleus_keeps_the_sorted_prefix_whose_preceding_mass_is_below_top_p():
