@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair(args.pair)
     rows = PromptSet("pycode", "dev", limit=args.prompts, seed=0).load()
     budget = pair.config.max_context - args.max_new_tokens  # the labelling stage's truncation rule
-    items = [(f"bench/{r['id']}", pair.tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][-budget:])
-             for r in rows]
+    items = [(f"bench/{r['id']}", pair.encode(r["prompt"], budget)) for r in rows]
     B = args.batch_size
 
     def bare(chunk):

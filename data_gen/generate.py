@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.kvcache import crop_cache, new_cache
+from decode.kvcache import crop_cache, forward, new_cache
 from decode.labels import position_stats
 from decode.pair import Pair
 from decode.sampling import transform
@@ -134,30 +134,35 @@ class Responses:
 
 @torch.no_grad()
 def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -> Responses:
-    """(B, T) left-padded prompts, (B, N, V) exponential noise -> the target's responses."""
-    eos, s = pair.tokenizer.eos_token_id, pair.config.sampling
+    """(B, T) left-padded prompts, (B, N, V) exponential noise -> the target's responses.
+
+    Tokens, lengths and the noise's rows meet the probabilities on the pair's device; the ids fed back go
+    to the target's input device. A row ends at any of the pair's EOS ids, and EOS pads it after that.
+    """
+    s, dev, into = pair.config.sampling, pair.device, pair.input_device("target")
+    eos = torch.tensor(pair.eos_ids, device=dev)
     B = ids.shape[0]
-    out = torch.full((B, max_new), eos, dtype=torch.long)
-    lengths = torch.full((B,), max_new, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
+    ids, mask = ids.to(into), mask.to(into)
+    out = torch.full((B, max_new), pair.eos_ids[0], dtype=torch.long, device=dev)
+    lengths = torch.full((B,), max_new, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    cache = new_cache()
     # logits_to_keep=1: only the last prompt position's logits are read, not (B, T, V) of them
-    logits = pair.target(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=new_cache(),
-                         use_cache=True, logits_to_keep=1)
-    first, cache = pair.logits(logits.logits[:, -1]), logits.past_key_values
+    logits = forward(pair.target, ids, cache, attention_mask=mask, position_ids=positions(mask), logits_to_keep=1)
+    first = pair.logits(logits.logits[:, -1])
     for t in range(max_new):
         probs = transform(pair.logits(logits.logits[:, -1]), s)
-        tok = race_argmax(probs, noise[:, t])
-        tok = torch.where(done, torch.full_like(tok, eos), tok)
+        tok = race_argmax(probs, noise[:, t].to(dev, non_blocking=True))
+        tok = torch.where(done, out[:, t], tok)
         out[:, t] = tok
-        newly = (tok == eos) & ~done
+        newly = torch.isin(tok, eos) & ~done
         lengths[newly] = t + 1
         done |= newly
-        if done.all():
+        if done.all():  # one host read per step: the loop must know when to end
             return Responses(out[:, : t + 1], lengths, first, cache)
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
-        logits = pair.target(tok[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:],
-                             past_key_values=cache, use_cache=True)
-        cache = logits.past_key_values
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=into)], dim=1)
+        logits = forward(pair.target, tok[:, None].to(into), cache, attention_mask=mask,
+                         position_ids=positions(mask)[:, -1:])
     return Responses(out, lengths, first, cache)
 
 
@@ -168,14 +173,13 @@ def target_logits(pair: Pair, resp: Responses, mask: torch.Tensor, z: torch.Tens
     The target already read the prompts while sampling: its cache is cut back to them and only
     z_<N is fed, instead of a second pass over the prompts (the larger part of the tokens).
     """
-    T, N = mask.shape[1], z.shape[1]
+    T, N, into = mask.shape[1], z.shape[1], pair.input_device("target")
     cache = resp.cache
     crop_cache(cache, T)
     logits = [resp.first_logits[:, None]]
     if N > 1:
-        m = torch.cat([mask, torch.ones(mask.shape[0], N - 1, dtype=mask.dtype)], dim=1)
-        out = pair.target(z[:, :-1], attention_mask=m, position_ids=positions(m)[:, T:], past_key_values=cache,
-                          use_cache=True)
+        m = torch.cat([mask, torch.ones(mask.shape[0], N - 1, dtype=mask.dtype)], dim=1).to(into)
+        out = forward(pair.target, z[:, :-1].to(into), cache, attention_mask=m, position_ids=positions(m)[:, T:])
         logits.append(pair.logits(out.logits))
     return torch.cat(logits, 1)
 
@@ -188,29 +192,38 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
     (B, N, V) q, (B, N, V) q_raw (the softmax of the raw logits; None when the setting is plain T = 1,
     where it equals q) and (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token).
     """
-    s = pair.config.sampling
+    s, dev, into = pair.config.sampling, pair.device, pair.input_device("draft")
     plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
     B, N = y.shape
-    out = pair.draft(ids, attention_mask=mask, position_ids=positions(mask), past_key_values=new_cache(), use_cache=True,
-                     output_hidden_states=True, logits_to_keep=1)
-    hidden, qs, raws, cands, zs, froms = [out.hidden_states[-1][:, -1]], [], [], [], [], []
+    ids, mask, y, ratios, mix = ids.to(into), mask.to(into), y.to(dev), ratios.to(dev), noise.mix.to(dev)
+    cache = new_cache()
+    out, state = forward(pair.draft, ids, cache, hidden=True, attention_mask=mask, position_ids=positions(mask),
+                         logits_to_keep=1)
+    hidden, qs, raws, cands, zs, froms = [state[:, -1]], [], [], [], [], []
     for t in range(N):
         logits = pair.logits(out.logits[:, -1])
         q = transform(logits, s)
-        c = race_argmax(q, noise.candidate[:, t])
-        from_target = noise.mix[:, t] < ratios
+        c = race_argmax(q, noise.candidate[:, t].to(dev, non_blocking=True))
+        from_target = mix[:, t] < ratios
         z = torch.where(from_target, y[:, t], c)
         qs.append(q), cands.append(c), zs.append(z), froms.append(from_target)
         if not plain:
-            raws.append(logits.float().softmax(-1))
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)
-        out = pair.draft(z[:, None], attention_mask=mask, position_ids=positions(mask)[:, -1:],
-                         past_key_values=out.past_key_values, use_cache=True, output_hidden_states=True)
-        hidden.append(out.hidden_states[-1][:, -1])
+            raws.append(logits.softmax(-1))
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=into)], dim=1)
+        out, state = forward(pair.draft, z[:, None].to(into), cache, hidden=True, attention_mask=mask,
+                             position_ids=positions(mask)[:, -1:])
+        hidden.append(state[:, -1])
     return {
         "candidate": torch.stack(cands, 1), "z": torch.stack(zs, 1), "from_target": torch.stack(froms, 1),
         "q": torch.stack(qs, 1), "q_raw": torch.stack(raws, 1) if raws else None, "hidden": torch.stack(hidden, 1),
     }
+
+
+def feature_dtype(pair: Pair) -> torch.dtype:
+    """Stored features: the draft's own half-precision dtype (bfloat16 states overflow float16), float16 for a
+    float32 draft (half the disk; heads train in float32 and cast each batch)."""
+    dtype = pair.draft.get_output_embeddings().weight.dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
 class Phases:
@@ -236,7 +249,7 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
     phase = phases or (lambda name: nullcontext())
     with phase("noise"):
         noise = RowNoise.draw([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
-    x, mask = left_pad(prompts, pair.tokenizer.eos_token_id)
+    x, mask = left_pad(prompts, pair.eos_ids[0])
     with phase("target sampling"):
         resp = sample_responses(pair, x, mask, noise.response, max_new)
     y, lengths = resp.tokens, resp.lengths
@@ -254,5 +267,5 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
             n = 1 if kinds[b] == "prompt" else int(lengths[b])
             rec = {"id": ids[b], "kind": kinds[b], "prompt_ids": prompts[b]} | {k: v[b][:n] for k, v in rows.items()}
             records.append(rec)
-            feats.append(walk["hidden"][b, : n + 1].to(torch.float16).contiguous())
+            feats.append(walk["hidden"][b, : n + 1].to("cpu", feature_dtype(pair)).contiguous())
     return records, feats

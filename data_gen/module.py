@@ -19,6 +19,7 @@ from data_gen.generate import KINDS, Mixing, label_batch
 from data_gen.prompts import PromptSet
 from data_gen.store import claim_output, clean_partial, code_version, done_ids, lock_output, write_shard
 from decode.pair import PairConfig, Sampling, load_pair, load_tokenizers
+from decode.prompting import encode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,12 +69,12 @@ class PromptData(L.LightningDataModule):
             for row in ds:
                 counts["prompts"] += 1
                 pid = f"{ps.name}/{ps.split}/{row['id']}"
-                ids = tok(row["prompt"], add_special_tokens=False)["input_ids"] if row["prompt"].strip() else []
+                ids = encode(tok, row["prompt"], cfg.chat_template)
                 if not ids:
                     counts["empty_skipped"] += 1
                     continue
-                if len(ids) > budget:
-                    ids, counts["truncated"] = ids[-budget:], counts["truncated"] + 1
+                if len(ids) > budget:  # the text's oldest tokens go; BOS and the chat template stay
+                    ids, counts["truncated"] = encode(tok, row["prompt"], cfg.chat_template, budget), counts["truncated"] + 1
                 if pid in done:
                     counts["already_done"] += 1
                     continue
@@ -102,10 +103,23 @@ class Labeller(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
-        self.pair = load_pair(self.pair_path)
+        if self.pair is None:  # once per process: each sampling setting reuses the loaded models
+            self.pair = load_pair(self.pair_path, device=self.rank_device())
         if self.sampling is not None:
             self.pair = self.pair.with_sampling(**vars(self.sampling))
         claim_output(self.trainer.datamodule.output_dir, self.identity())
+
+    def rank_device(self) -> torch.device:
+        """This rank's own device. The pair is not a submodule (it must not be trained or checkpointed), so
+        Lightning never moves it: each rank loads it straight onto its device instead. A sharded model
+        (device_map) under several ranks would put every rank's copy on every GPU: refused."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        cfg = PairConfig.from_yaml(self.pair_path)
+        if strategy is not None and self.trainer.world_size > 1 and (cfg.draft.device_map or cfg.target.device_map):
+            raise ValueError(f"pair {cfg.name} shards a model with device_map, and {self.trainer.world_size} ranks "
+                             "would each spread a copy over every GPU: set device_map: null to give each rank the "
+                             "pair on its own GPU, or label with one process (--trainer.devices 1)")
+        return strategy.root_device if strategy is not None else torch.device("cpu")
 
     def identity(self) -> dict:
         cfg = self.pair.config

@@ -100,7 +100,7 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
     if allow_sampling_mismatch and isinstance(policy, HeadPolicy):
         policy.allow_sampling_mismatch = True
     dec = Decoder(p, policy, rule or SpeculativeSampling(), seed=seed)
-    ids = p.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = p.encode(prompt)
     sys.stdout.write(prompt)
     stream = TextStream(p.tokenizer, sys.stdout)
     out = dec.generate(ids, max_new_tokens, on_tokens=stream)

@@ -203,7 +203,7 @@ def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
     from data_gen.prompts import PromptSet
 
     budget = pair.config.max_context - n
-    return [pair.tokenizer(t, add_special_tokens=False)["input_ids"][-budget:] for t in PromptSet(**ps_raw).load()["prompt"]]
+    return [pair.encode(t, budget) for t in PromptSet(**ps_raw).load()["prompt"]]
 
 
 # decode modules that read, compare or present a split's saved rows and never make them: a change to them

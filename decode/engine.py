@@ -1,8 +1,11 @@
 """Speculative decoding engine: a drafting policy and a verification rule over a draft/target pair.
 
-Both models keep a DynamicCache that covers every committed token but the last ("pending")
+Both models keep a KV cache that covers every committed token but the last ("pending")
 one; after each round the caches are cropped back to the accepted text, never recomputed.
 Batch size 1; the caches and tensors are (1, ...) so batching can come later.
+
+Devices: input ids go to each model's input device, logits meet on the pair's device (Pair.logits), random
+draws come from a generator on that device, and every clock read on a GPU waits for its queued work first.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.kvcache import crop_cache
+from decode.kvcache import crop_cache, forward, rollback_cache
 from decode.pair import Pair
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule
@@ -90,17 +93,20 @@ class Runner:
 
     def __init__(self, model, pair: Pair, hidden: bool = False, name: str = "target",
                  calls: list[tuple[str, int]] | None = None):
-        self.model, self.pair, self.cache, self.length, self.hidden = model, pair, None, 0, hidden
+        self.model, self.pair, self.cache, self.length, self.hidden = model, pair, rollback_cache(), 0, hidden
         self.name, self.calls = name, calls if calls is not None else []
+        self.device = model.get_input_embeddings().weight.device
 
     @torch.no_grad()
     def feed(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k new tokens -> (k, V) logits and (k, H) last-layer hidden states (None unless hidden)."""
-        x = torch.tensor([tokens])
-        out = self.model(x, past_key_values=self.cache, use_cache=True, output_hidden_states=self.hidden)
-        self.cache, self.length = out.past_key_values, self.length + len(tokens)
+        """k new tokens -> (k, V) float32 logits on the pair's device and (k, H) last-layer hidden states on
+        the model's (None unless hidden)."""
+        x = torch.tensor([tokens], device=self.device)
+        out = forward(self.model, x, self.cache, hidden=self.hidden)
+        out, state = out if self.hidden else (out, None)
+        self.length += len(tokens)
         self.calls.append((self.name, len(tokens)))
-        return self.pair.logits(out.logits[0]), out.hidden_states[-1][0] if self.hidden else None
+        return self.pair.logits(out.logits[0]), state[0] if self.hidden else None
 
     def crop(self, length: int) -> None:
         if length < self.length:
@@ -117,19 +123,33 @@ def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int) -> None
                          f"context of {limit} tokens of pair {pair.config.name}: shorten the prompt or lower max_new_tokens")
 
 
+def clock(device: torch.device):
+    """A perf_counter that, on a GPU, first waits for the work queued there: else a forward's time would land
+    in whatever step next reads a result (sampling, the rule)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
 class SpeculativeDecoder:
     """generate(prompt_ids) with a policy and a rule; each call returns its own stats."""
 
     def __init__(self, pair: Pair, policy: Policy, rule: Rule, seed: int = 0):
         self.pair, self.policy, self.rule = pair, policy, rule
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device=pair.device).manual_seed(seed)
+        self.now = clock(pair.device)
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
 
     def _timed(self, which: str, stats: Stats, fn, *args):
-        t0 = time.perf_counter()
+        t0 = self.now()
         out = fn(*args)
-        setattr(stats, which, getattr(stats, which) + time.perf_counter() - t0)
+        setattr(stats, which, getattr(stats, which) + self.now() - t0)
         return out
 
     def _draft_round(self, draft: Runner, seq: list[int], stats: Stats, limit: int):
@@ -148,18 +168,18 @@ class SpeculativeDecoder:
         tokens, qs = [], []
         if policy.needs_target_peek:
             def peek(i: int) -> bool:
-                t0 = time.perf_counter()
+                t0 = self.now()
                 ok = self._peek(seq + tokens[:i]) == tokens[i]
-                stats.t_oracle += time.perf_counter() - t0
+                stats.t_oracle += self.now() - t0
                 return ok
 
             policy.peek = peek
         own = policy.reads_own_state
         while True:
-            t0 = time.perf_counter()
+            t0 = self.now()
             raw = logits[-1]
             tok, q = pick(raw, s, self.gen)
-            stats.t_sample += time.perf_counter() - t0
+            stats.t_sample += self.now() - t0
             tokens.append(tok), qs.append(q)
             if len(tokens) >= min(policy.max_len, limit):
                 return tokens, torch.stack(qs)
@@ -168,9 +188,9 @@ class SpeculativeDecoder:
                 logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
                 stats.draft_calls += 1
             step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1] if own else None)
-            t0, t_oracle = time.perf_counter(), stats.t_oracle
+            t0, t_oracle = self.now(), stats.t_oracle
             stop = policy.stop(step)
-            stats.t_head += time.perf_counter() - t0 - (stats.t_oracle - t_oracle)
+            stats.t_head += self.now() - t0 - (stats.t_oracle - t_oracle)
             if stop:
                 return tokens, torch.stack(qs)
             if not own:
@@ -180,7 +200,8 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def _peek(self, prefix: list[int]) -> int:
         """Target argmax after prefix, off the books (for the oracle only)."""
-        return int(self.pair.logits(self.pair.target(torch.tensor([prefix])).logits[0, -1]).argmax())
+        x = torch.tensor([prefix], device=self.pair.input_device("target"))
+        return int(self.pair.logits(self.pair.target(x).logits[0, -1]).argmax())
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
         """Prompt token ids -> new tokens (stops at EOS or max_new_tokens), text and stats.
@@ -188,10 +209,10 @@ class SpeculativeDecoder:
         on_tokens(list[int]) is called with each round's new tokens, for streaming.
         """
         check_prompt(self.pair, prompt_ids, max_new_tokens)
-        stats, eos, s = Stats(), self.pair.tokenizer.eos_token_id, self.pair.config.sampling
+        stats, eos, s = Stats(), set(self.pair.eos_ids), self.pair.config.sampling
         draft = Runner(self.pair.draft, self.pair, hidden=self.policy.needs_hidden, name="draft")
         target = Runner(self.pair.target, self.pair, calls=draft.calls)
-        t_start = time.perf_counter()
+        t_start = self.now()
         if len(prompt_ids) > 1:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1])
             self._timed("t_target", stats, target.feed, prompt_ids[:-1])
@@ -202,9 +223,9 @@ class SpeculativeDecoder:
             tokens, q = self._draft_round(draft, committed + [pending], stats, limit)
             logits, _ = self._timed("t_target", stats, target.feed, [pending] + tokens)
             stats.target_calls += 1
-            t0 = time.perf_counter()
-            n_acc, nxt = self.rule.verify(torch.tensor(tokens), q, transform(logits, s), self.gen)
-            stats.t_rule += time.perf_counter() - t0
+            t0 = self.now()
+            n_acc, nxt = self.rule.verify(torch.tensor(tokens, device=q.device), q, transform(logits, s), self.gen)
+            stats.t_rule += self.now() - t0
             stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + len(tokens)
             stats.discarded += len(tokens) - n_acc
             stats.accepted.append(n_acc)
@@ -212,19 +233,20 @@ class SpeculativeDecoder:
             draft.crop(len(committed))
             target.crop(len(committed))
             new = tokens[:n_acc] + [nxt]
-            if eos in new:
-                new = new[: new.index(eos) + 1]
+            end = next((i for i, t in enumerate(new) if t in eos), None)
+            if end is not None:
+                new = new[: end + 1]
             out += new
             if on_tokens is not None:
-                t0 = time.perf_counter()
+                t0 = self.now()
                 on_tokens(new)
-                stats.t_stream += time.perf_counter() - t0
+                stats.t_stream += self.now() - t0
             pending = nxt
-            if eos in new:
+            if end is not None:
                 break
         out = out[:max_new_tokens]
         stats.new_tokens = len(out)
-        stats.wall = time.perf_counter() - t_start - stats.t_oracle
+        stats.wall = self.now() - t_start - stats.t_oracle
         stats.calls = draft.calls  # shared with the target's runner: every forward, in order
         self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
         return Generation(out, self.pair.tokenizer.decode(out), stats)
@@ -235,15 +257,16 @@ class Autoregressive:
 
     def __init__(self, pair: Pair, which: str = "target", seed: int = 0):
         self.pair, self.which = pair, which
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator(device=pair.device).manual_seed(seed)
+        self.now = clock(pair.device)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
         """Prompt token ids -> new tokens, text and stats, one target (or draft) call per token."""
         check_prompt(self.pair, prompt_ids, max_new_tokens)
-        stats, eos = Stats(), self.pair.tokenizer.eos_token_id
+        stats, eos = Stats(), set(self.pair.eos_ids)
         runner = Runner(getattr(self.pair, self.which), self.pair, name=self.which)
         slot = "t_target" if self.which == "target" else "t_draft"
-        t0 = time.perf_counter()
+        t0 = self.now()
         logits, _ = runner.feed(prompt_ids)
         out = []
         while len(out) < max_new_tokens:
@@ -251,19 +274,19 @@ class Autoregressive:
             tok, _ = pick(logits[-1], s, self.gen)
             out.append(tok)
             if on_tokens is not None:
-                t1 = time.perf_counter()
+                t1 = self.now()
                 on_tokens([tok])
-                stats.t_stream += time.perf_counter() - t1
-            if tok == eos or len(out) == max_new_tokens:
+                stats.t_stream += self.now() - t1
+            if tok in eos or len(out) == max_new_tokens:
                 break
-            t1 = time.perf_counter()
+            t1 = self.now()
             logits, _ = runner.feed([tok])
-            setattr(stats, slot, getattr(stats, slot) + time.perf_counter() - t1)
+            setattr(stats, slot, getattr(stats, slot) + self.now() - t1)
         if self.which == "target":
             stats.target_calls = len(out)
         else:
             stats.draft_calls = len(out)
-        stats.new_tokens, stats.wall, stats.calls = len(out), time.perf_counter() - t0, runner.calls
+        stats.new_tokens, stats.wall, stats.calls = len(out), self.now() - t0, runner.calls
         return Generation(out, self.pair.tokenizer.decode(out), stats)
 
 

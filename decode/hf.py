@@ -18,9 +18,9 @@ import copy
 import time
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from decode.engine import Stats
+from decode.engine import Stats, clock
 from decode.pair import Pair, Sampling, model_identity
 from decode.policies import SpecDecPP
 
@@ -54,7 +54,7 @@ class HeadStop(StoppingCriteria):
         late = self.policy.reads_own_state
         stop = False
         if not late or self.steps > 1:
-            stop = self.policy.update(self.policy.fast_prob(self.captured[0].float().numpy()))
+            stop = self.policy.update(self.policy.fast_prob(self.captured[0].float().cpu().numpy()))
         self.head_s += time.perf_counter() - t0
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -107,6 +107,20 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
     return assistant
 
 
+def clean_config(pair: Pair, n: int) -> GenerationConfig:
+    """The generation config a baseline runs on: the pair's sampling, its EOS ids, at most n new tokens, and
+    nothing else. A checkpoint's own config carries extras (Qwen2.5-Instruct: repetition_penalty 1.05, applied
+    even without sampling) that would make the baseline decode another distribution than the engine."""
+    s = pair.config.sampling
+    fields = dict(max_new_tokens=n, min_new_tokens=0, eos_token_id=list(pair.eos_ids), pad_token_id=pair.eos_ids[0],
+                  do_sample=s.temperature > 0)
+    if s.temperature > 0:
+        fields |= dict(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
+    else:
+        fields |= dict(temperature=None, top_k=None, top_p=None)
+    return GenerationConfig(**fields)
+
+
 def head_assistant(pair: Pair, hf: dict):
     """The assistant of an {'head': dir, 'h': h} method, or None: built once, so the head loads once."""
     if "head" not in hf:
@@ -120,14 +134,10 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
     A head method reuses `assistant` (from head_assistant) when given; constant-K and confidence methods
     set the draft's generation config on every call, since methods share one draft.
     """
-    s = pair.config.sampling
-    kwargs = dict(max_new_tokens=n, min_new_tokens=0, pad_token_id=pair.tokenizer.eos_token_id,
-                  do_sample=s.temperature > 0)
-    if s.temperature > 0:
-        kwargs |= dict(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
+    kwargs = {}
     if hf:
-        if pair.draft.config.vocab_size != pair.target.config.vocab_size:
-            raise ValueError(f"Hugging Face assisted generation needs equal embedding sizes, got draft "
+        if pair.config.sampling.temperature > 0 and pair.draft.config.vocab_size != pair.target.config.vocab_size:
+            raise ValueError(f"Hugging Face assisted sampling needs equal embedding sizes, got draft "
                              f"{pair.draft.config.vocab_size} and target {pair.target.config.vocab_size}: "
                              "drop the kind: hf methods from the bench config for this pair")
         if "head" in hf:
@@ -138,13 +148,24 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
             gc.num_assistant_tokens_schedule = "constant"
             gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
             kwargs["assistant_model"] = pair.draft
+        if pair.draft.config.vocab_size != pair.target.config.vocab_size:
+            # transformers takes unequal embedding sizes for two tokenizers: its universal assisted decoding maps
+            # the (here identical) tokens across, which is exact under greedy decoding
+            kwargs |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.tokenizer}
     stop = getattr(kwargs.get("assistant_model"), "specdecpp_stop", None)
     head_before = stop.head_s if stop else 0.0
     torch.manual_seed(seed)
-    x = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
-    st = Stats(new_tokens=len(out), wall=time.perf_counter() - t0)
+    x = torch.tensor([ids], device=pair.input_device("target"))
+    now = clock(pair.device)
+    t0 = now()
+    # generate() fills every field a passed config leaves unset from the model's own generation config, so
+    # the clean config stands in for the model's for the call instead of being passed beside it.
+    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n)
+    try:
+        out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
+    finally:
+        pair.target.generation_config = own
+    st = Stats(new_tokens=len(out), wall=now() - t0)
     if stop:
         st.t_head = stop.head_s - head_before
     return out, st

@@ -1,4 +1,4 @@
-"""A KV cache that appends in place, and the one way the project cuts a cache back.
+"""KV caches, and the one way the project calls a model forward over one and cuts it back.
 
 Hugging Face's DynamicCache appends by torch.cat: every forward copies the whole cache of every layer
 into a freshly allocated tensor. StaticCache avoids the copy but attends over its full preallocated
@@ -17,8 +17,15 @@ way (target 15.6 vs 15.1, draft 3.0 vs 3.3 after a 100-token prefix), so the dec
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+class UnservableModel(ValueError):
+    """The model's cache cannot be cut back to a shorter prefix, so speculative decoding cannot serve it."""
 
 
 class GrowingLayer(DynamicLayer):
@@ -58,6 +65,61 @@ class GrowingLayer(DynamicLayer):
 def new_cache() -> Cache:
     """An empty cache of GrowingLayers, one added per model layer on first use (as DynamicCache does)."""
     return Cache(layer_class_to_replicate=GrowingLayer)
+
+
+def rollback_cache() -> Cache:
+    """An empty cache that keeps every position of every layer, so it can always be cut back.
+
+    A model left to build its own cache gives sliding-window layers (Mistral, Phi-3, Gemma-2/3) a layer that
+    keeps only the last `window` positions and cannot be cropped once the window is full: a rejected draft
+    token could never be taken back. Here those layers keep every position and the attention mask applies the
+    window (masks are built from the model config, and with no sliding cache layer the mask covers the whole
+    cache), so the outputs are the same and memory grows with prompt + new tokens, which max_context bounds.
+    """
+    return Cache(layer_class_to_replicate=DynamicLayer)
+
+
+def check_servable(config, role: str = "model") -> None:
+    """Raise UnservableModel, before any weight is read, when a model config's own cache holds layers that a
+    position cannot cut back (linear attention, recurrent states): their state after a rejected token has no
+    rollback."""
+    try:
+        layers = DynamicCache(config=config).layers
+    except Exception:  # a config DynamicCache cannot read describes no special layers: full attention
+        return
+    odd = sorted({type(layer).__name__ for layer in layers if getattr(layer, "is_linear", False)
+                  or getattr(layer, "is_dummy", False) or not isinstance(layer, DynamicLayer)})
+    if odd:
+        raise UnservableModel(
+            f"the {role} ({type(config).__name__}) keeps {', '.join(odd)} cache layers, whose state cannot be cut "
+            "back to a prefix after a rejected draft token: use a pair of attention-only models (dynamic or "
+            "sliding-window caches)")
+
+
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The forward keyword that takes the KV cache: `cache` where transformers asks for it (5.24 on), else the
+    older `past_key_values`, so the project runs on both sides of the rename without the deprecation warning."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def forward(model, ids: torch.Tensor, cache: Cache, hidden: bool = False, **kwargs):
+    """(B, n) ids -> the model's output, reading and extending `cache` in place (use_cache on).
+
+    hidden: also return (B, n', H) the last-layer state that the output layer reads (after the final norm),
+    for the positions whose logits are computed (n' = logits_to_keep when given). It is caught on its way into
+    the output layer instead of asking for output_hidden_states, which keeps every layer's states.
+    """
+    kwargs = {"use_cache": True, cache_keyword(type(model)): cache} | kwargs
+    if not hidden:
+        return model(ids, **kwargs)
+    seen = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        out = model(ids, **kwargs)
+    finally:
+        handle.remove()
+    return out, seen[-1]
 
 
 def crop_cache(cache, length: int) -> None:

@@ -121,13 +121,36 @@ def check_vocabularies(draft_tok, target_tok) -> int:
 
 @dataclass
 class Pair:
-    """Loaded models (eval mode, frozen) and tokenizer; vocab is the shared tokenizer size V."""
+    """Loaded models (eval mode, frozen) and tokenizer; vocab is the shared tokenizer size V.
+
+    eos_ids: every token that ends a response (the generation config's list and the tokenizer's EOS).
+    """
 
     config: PairConfig
     draft: torch.nn.Module
     target: torch.nn.Module
     tokenizer: object
     vocab: int
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.eos_ids:
+            self.eos_ids = eos_ids(self.target, self.tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        """Where p and q meet: the device the target's logits come out on (its output layer's, when sharded)."""
+        return self.target.get_output_embeddings().weight.device
+
+    def input_device(self, which: str = "target") -> torch.device:
+        """Where a model's input ids go: its input embeddings' device (the first shard under device_map)."""
+        return getattr(self, which).get_input_embeddings().weight.device
+
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Prompt text -> token ids as the model expects them (see decode.prompting.encode)."""
+        from decode.prompting import encode
+
+        return encode(self.tokenizer, text, self.config.chat_template, max_tokens)
 
     def with_sampling(self, **changes) -> Pair:
         """The same loaded models under other sampling settings (e.g. temperature=0 for greedy)."""
@@ -135,8 +158,11 @@ class Pair:
         return dataclasses.replace(self, config=dataclasses.replace(self.config, sampling=sampling))
 
     def logits(self, model_logits: torch.Tensor) -> torch.Tensor:
-        """(..., V_model) -> (..., V): drop padded embedding rows beyond the tokenizer."""
-        return model_logits[..., : self.vocab].float()
+        """(..., V_model) -> (..., V) float32 on self.device: padded embedding rows beyond the tokenizer dropped.
+
+        The one place where p and q meet: the draft's logits move to the target's output device here.
+        """
+        return model_logits[..., : self.vocab].to(self.device, torch.float32)
 
     def identity(self, which: str = "draft") -> dict:
         """What identifies a model: path, config hash, sizes (recorded in head checkpoints)."""
@@ -153,6 +179,20 @@ def model_identity(model, vocab: int, path: str) -> dict:
             "num_layers": model.config.num_hidden_layers}
 
 
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response: the generation config's eos_token_id (an int or a list: Llama-3.1-Instruct
+    lists three, Qwen-Instruct two) and the tokenizer's EOS, in that order, without repeats."""
+    ids = []
+    for raw in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        for i in (raw if isinstance(raw, (list, tuple)) else [raw]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("neither the target's generation config nor its tokenizer names an EOS token: set "
+                         "eos_token_id in the target's generation_config.json")
+    return tuple(ids)
+
+
 def load_tokenizers(cfg: PairConfig):
     from transformers import AutoTokenizer
 
@@ -161,25 +201,43 @@ def load_tokenizers(cfg: PairConfig):
     return d, t
 
 
-def load_model(spec: ModelSpec):
+def load_config(spec: ModelSpec):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(spec.resolved(), revision=spec.revision)
+
+
+def load_model(spec: ModelSpec, device: torch.device | str | None = None):
+    """A model frozen in eval mode; on `device` unless its spec shards it with a device_map."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         spec.resolved(), dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision
     )
+    if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
+        model.to(device)
     model.eval().requires_grad_(False)
     return model
 
 
-def load_pair(config: PairConfig | str | Path) -> Pair:
-    """Check the vocabularies, then load both models frozen in eval mode."""
+def load_pair(config: PairConfig | str | Path, device: torch.device | str | None = None) -> Pair:
+    """Check the vocabularies, then load both models frozen in eval mode; refuse a model the engine cannot serve.
+
+    device: where models without a device_map go (default: the CPU, or "cuda" when one is present).
+    """
     from transformers.utils import logging as hf_logging
+
+    from decode.kvcache import check_servable
 
     hf_logging.disable_progress_bar()
     cfg = config if isinstance(config, PairConfig) else PairConfig.from_yaml(config)
     draft_tok, target_tok = load_tokenizers(cfg)
     vocab = check_vocabularies(draft_tok, target_tok)
-    draft, target = load_model(cfg.draft), load_model(cfg.target)
+    for name in ("draft", "target"):
+        check_servable(load_config(getattr(cfg, name)), name)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    draft, target = load_model(cfg.draft, device), load_model(cfg.target, device)
     for name, m in (("draft", draft), ("target", target)):
         rows = m.get_output_embeddings().weight.shape[0]
         if rows < vocab:

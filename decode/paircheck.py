@@ -102,7 +102,7 @@ def time_generate(pair: Pair, prompts: list[str], new_tokens: int, k: int | None
     """Seconds and new tokens for greedy generation over prompts; k=None is the target alone."""
     greedy, total_s, total_n = pair.with_sampling(temperature=0), 0.0, 0
     for i, prompt in enumerate(prompts):
-        ids = pair.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = pair.encode(prompt)
         out, st = hf_generate(greedy, ids, new_tokens, {} if k is None else {"k": k}, seed=i)
         total_s, total_n = total_s + st.wall, total_n + len(out)
     return total_s, total_n

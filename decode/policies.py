@@ -134,11 +134,12 @@ class HeadPolicy(Policy):
 
     @torch.no_grad()
     def prob(self, step: DraftStep) -> float:
-        hidden = step.hidden_own if self.features.position == "own" else step.hidden_prev
+        # The head runs in numpy on the CPU (its cost at batch 1 is dispatch): its inputs are taken there explicitly.
+        hidden = (step.hidden_own if self.features.position == "own" else step.hidden_prev).float().cpu()
         if self.features.extras:
             p = step.probs
-            hidden = self.features.build(hidden, L.entropy(p), p.max(), p[step.token])
-        return self.fast_prob(hidden.float().numpy())
+            hidden = self.features.build(hidden, *(x.cpu() for x in (L.entropy(p), p.max(), p[step.token])))
+        return self.fast_prob(hidden.numpy())
 
 
 class SpecDecPP(HeadPolicy):

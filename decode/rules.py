@@ -12,7 +12,7 @@ import math
 import torch
 
 from decode import labels as L
-from decode.sampling import argmax, sample
+from decode.sampling import argmax, sample, uniform
 
 
 class Rule:
@@ -33,11 +33,11 @@ class SpeculativeSampling(Rule):
         if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
             return greedy_verify(tokens, p)
         k = len(tokens)
-        rows = torch.arange(k)
+        rows = torch.arange(k, device=p.device)
         # Every alpha in one tensor op; the uniforms are still drawn one per token, in order, until a rejection.
         alphas = L.accept_prob(p[rows, tokens], q[rows, tokens]).tolist()
         for i, alpha in enumerate(alphas):
-            if torch.rand((), generator=gen).item() >= alpha:
+            if uniform(gen).item() >= alpha:
                 return i, int(sample(self.resample(p[i], q[i]), gen))
         return k, int(sample(p[k], gen))
 
@@ -83,7 +83,7 @@ class FSD(Rule):
             if div[i] <= self.threshold:
                 continue
             if self.relaxed:
-                if torch.rand((), generator=gen) < L.accept_prob(p[i, x], q[i, x]):
+                if uniform(gen) < L.accept_prob(p[i, x], q[i, x]):
                     continue
                 return i, int(sample(L.residual(p[i], q[i]), gen))
             return i, int(sample(p[i], gen))
@@ -128,6 +128,6 @@ class SprinterCheck(Rule):
     def verify(self, tokens, q, p, gen):
         k = len(tokens)
         x = int(tokens[-1])
-        if torch.rand((), generator=gen) < L.accept_prob(p[k - 1, x], q[k - 1, x]):
+        if uniform(gen) < L.accept_prob(p[k - 1, x], q[k - 1, x]):
             return k, int(sample(p[k], gen))
         return k - 1, int(sample(L.residual(p[k - 1], q[k - 1]), gen))

@@ -37,6 +37,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     (6.4 against 1.6 on one row, 4.1 against 0.9 ms on (16, 96, 4096)): a greedy round takes it once per
     candidate and once over the k + 1 verified rows.
     """
+    if x.device.type != "cpu":  # the numpy path is for CPU tensors only: a GPU's argmax stays on the GPU
+        return x.argmax(-1)
     return torch.from_numpy(np.asarray(as_numpy(x).argmax(-1)))
 
 
@@ -53,12 +55,14 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = 
     a draft forward here, where torch's transform and argmax took 64 to 70: the first calls after a forward run
     on cold caches, and numpy's paths are shorter); else a draw from transform.
     """
-    if s.temperature == 0:
+    if s.temperature == 0 and logits.device.type == "cpu":
         tok = int(as_numpy(logits).argmax())
         q = np.zeros(logits.shape[-1], dtype=np.float32)
         q[tok] = 1.0
         return tok, torch.from_numpy(q)
     q = transform(logits, s)
+    if s.temperature == 0:  # on a GPU: the one-hot stays there, one host read for the token id
+        return int(q.argmax()), q
     return int(sample(q, generator)), q
 
 
@@ -70,7 +74,11 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     their indices, in numpy: torch's sort of one 4096-row took ~0.3 ms here, half a draft step's
     budget per token. Tokens tied with the last kept one are kept as well.
     """
-    p = probs.detach().cpu().numpy()
+    if probs.device.type != "cpu":  # the same rule in torch, on the tensor's device
+        desc = probs.sort(-1, descending=True).values
+        kept = ((desc.cumsum(-1) - desc) < top_p).sum(-1, keepdim=True)
+        return probs >= desc.gather(-1, kept - 1)
+    p = probs.detach().numpy()
     desc = np.sort(p, axis=-1)[..., ::-1]
     before = np.cumsum(desc, axis=-1) - desc
     kept = (before < top_p).sum(-1, keepdims=True)  # >= 1: nothing comes before the top token
@@ -89,8 +97,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """
     flat = probs.detach().reshape(-1, probs.shape[-1]).double()
     cum = flat.cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
     idx = torch.searchsorted(cum, u * cum[:, -1:], right=True)
     # u * total can round up to the total: take the last token with mass (the first maximum of the sums)
     idx = torch.where(idx < flat.shape[-1], idx, cum.argmax(-1, keepdim=True))
     return idx.reshape(probs.shape[:-1])
+
+
+def uniform(generator: torch.Generator) -> torch.Tensor:
+    """One uniform in [0, 1) as a 0-d tensor on the generator's device (a rule's accept test)."""
+    return torch.rand((), generator=generator, device=generator.device)

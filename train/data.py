@@ -8,7 +8,6 @@ fresh clone. Features come from the cached draft hidden states, or live from the
 
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -36,13 +35,15 @@ def resolve(path: str) -> Path:
 @torch.no_grad()
 def live_features(pair_yaml: str, rows) -> dict[str, torch.Tensor]:
     """Prompt id -> (n + 1, H) draft last-layer states recomputed over prompt + z."""
+    from data_gen.generate import feature_dtype
+    from decode.kvcache import forward, rollback_cache
     from decode.pair import load_pair
 
     pair, out = load_pair(pair_yaml), {}
     for r in rows:
-        seq = torch.tensor([r["prompt_ids"] + r["z"]])
-        h = pair.draft(seq, output_hidden_states=True).hidden_states[-1][0]
-        out[r["id"]] = h[len(r["prompt_ids"]) - 1 :].to(torch.float16)
+        seq = torch.tensor([r["prompt_ids"] + r["z"]], device=pair.input_device("draft"))
+        _, h = forward(pair.draft, seq, rollback_cache(), hidden=True)
+        out[r["id"]] = h[0, len(r["prompt_ids"]) - 1 :].to("cpu", feature_dtype(pair))
     return out
 
 
@@ -105,11 +106,10 @@ class LabelData(L.LightningDataModule):
     @property
     def feature_dim(self) -> int:
         """Input size of the head: the draft's hidden size (from the pair) plus the extras."""
-        from decode.pair import PairConfig
+        from decode.pair import PairConfig, load_config
 
         pair = PairConfig.from_yaml(yaml_pair(self.build_config))
-        hidden = json.loads((Path(pair.draft.resolved()) / "config.json").read_text())
-        size = hidden.get("hidden_size", hidden.get("n_embd"))
+        size = load_config(pair.draft).hidden_size  # a local folder or a hub id (from the local hub cache)
         return self.features.dim(size)
 
     @property
