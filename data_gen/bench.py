@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     B = args.batch_size
 
     def bare(chunk):
-        ids, mask = left_pad([c[1] for c in chunk], pair.tokenizer.eos_token_id)
-        noise = RowNoise.response_only([prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens, pair.vocab)
+        ids, mask = left_pad([c[1] for c in chunk], pair.eos_ids[0])
+        noise = RowNoise([prompt_generator(0, c[0]) for c in chunk], args.max_new_tokens, pair.vocab)
         return int(sample_responses(pair, ids, mask, noise, args.max_new_tokens).lengths.sum())
 
     phases = Phases()

@@ -4,7 +4,8 @@ For each prompt x (left-padded batch, KV caches):
   1. the target samples a response y_1..y_N under the pair's sampling transform;
   2. the draft walks the response once: at position i it draws a candidate c_i ~ q(. | x, z_<i),
      then reads z_i = y_i (from_target, probability r of the sequence's prefix kind) or c_i;
-  3. one teacher-forced target pass over (x, z) gives p(. | x, z_<i) at every position.
+  3. teacher-forced target passes over (x, z), a stretch at a time as the walk goes (data_gen.scores),
+     give p(. | x, z_<i) at every position, and the labels keep per-position scalars only.
 So p, q, c_i and every label are conditioned on the same mixed prefix z_<i the head reads, and
 c_i is an exact sample of q at that prefix (the acceptance event decode will face).
 Every random draw uses a per-prompt generator, so a prompt's record does not depend on which
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.kvcache import crop_cache, forward, new_cache
-from decode.labels import position_stats
+from data_gen.scores import PositionScores
+from decode.kvcache import forward, new_cache
 from decode.pair import Pair
 from decode.sampling import transform
 
@@ -56,40 +57,66 @@ def prompt_generator(seed: int, prompt_id: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-@dataclass
 class RowNoise:
-    """Every random number a batch needs, drawn per row from that row's generator in a fixed order.
+    """Every random number a batch needs, drawn per row from that row's generator, a position at a time.
 
-    Drawing a row's numbers in three calls up front (instead of two calls per position) keeps a
-    record independent of its batch while the per-position work stays one tensor op per batch.
+    A row's stream is, in order: (N, V) uniforms for the target's response tokens, (N, V) for the draft's
+    candidates, (N,) for the token-mixing coin. Positions are drawn when they are used, so no (B, N, V) noise
+    is ever held (0.93 GB each at V = 151,665, B = 16, N = 96), and the numbers are the ones a draw of the
+    whole stream up front gives (torch's CPU generator fills a tensor in stream order), so a record does not
+    depend on its batch, its device, or this laziness. The draws stay on the CPU for that reason; each
+    position's (B, V) goes to the device that uses it.
     """
 
-    response: torch.Tensor  # (B, N, V) exponential noise for the target's response tokens
-    candidate: torch.Tensor  # (B, N, V) exponential noise for the draft's candidates
-    mix: torch.Tensor  # (B, N) uniforms for the token-mixing coin
+    def __init__(self, gens: list[torch.Generator], n: int, vocab: int):
+        self.gens, self.n, self.vocab = gens, n, vocab
+        self.drawn = 0  # (., V) rows taken from every generator so far: responses first, then candidates
+        self._mix = None
 
-    @classmethod
-    def draw(cls, gens: list[torch.Generator], n: int, vocab: int) -> RowNoise:
-        resp, cand, mix = row_uniforms(gens, [(n, vocab), (n, vocab), (n,)])
-        return cls(exponential_(resp), exponential_(cand), mix)
+    def _next(self) -> torch.Tensor:
+        """(B, V) exponential noise of the next position of every row's stream."""
+        u = torch.empty(len(self.gens), self.vocab)
+        for b, g in enumerate(self.gens):
+            torch.rand(self.vocab, generator=g, out=u[b])
+        self.drawn += 1
+        return exponential_(u)
 
-    @staticmethod
-    def response_only(gens: list[torch.Generator], n: int, vocab: int) -> torch.Tensor:
-        """(B, N, V) the same response noise as draw(), without the draws only labelling needs."""
-        (resp,) = row_uniforms(gens, [(n, vocab)])
-        return exponential_(resp)
+    def response(self, t: int) -> torch.Tensor:
+        """(B, V) noise of response position t (positions in order)."""
+        assert t == self.drawn, "response noise is drawn in order"
+        return self._next()
+
+    def candidate(self, t: int) -> torch.Tensor:
+        """(B, V) noise of candidate position t (in order, after the responses: the ones not used are skipped)."""
+        if self.drawn < self.n:  # the responses ended early: their unused positions still precede the candidates
+            skip(self.gens, (self.n - self.drawn) * self.vocab)
+            self.drawn = self.n
+        assert t == self.drawn - self.n, "candidate noise is drawn in order"
+        return self._next()
+
+    @property
+    def mix(self) -> torch.Tensor:
+        """(B, N) mixing uniforms, which follow all 2 N V others: drawn from copies of the generators moved past
+        them, so that the originals keep their place for the candidates."""
+        if self._mix is None:
+            copies = []
+            for g in self.gens:
+                c = torch.Generator()
+                c.set_state(g.get_state())
+                copies.append(c)
+            skip(copies, (2 * self.n - self.drawn) * self.vocab)
+            self._mix = torch.stack([torch.rand(self.n, generator=c) for c in copies])
+        return self._mix
 
 
-def row_uniforms(gens: list[torch.Generator], shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """One (B, *shape) uniform tensor per shape; row b draws its parts from gens[b], in order.
-
-    Written in place: no stacked copy of the (B, N, V) draws.
-    """
-    out = [torch.empty(len(gens), *shape) for shape in shapes]
-    for b, g in enumerate(gens):
-        for t in out:
-            torch.rand(t.shape[1:], generator=g, out=t[b])
-    return out
+def skip(gens: list[torch.Generator], count: int, block: int = 1 << 20) -> None:
+    """Move every generator past `count` uniforms (drawn into one reused buffer: torch has no skip-ahead)."""
+    buf = torch.empty(min(count, block))
+    for g in gens:
+        left = count
+        while left > 0:
+            torch.rand(min(left, block), generator=g, out=buf[: min(left, block)])
+            left -= block
 
 
 def exponential_(u: torch.Tensor) -> torch.Tensor:
@@ -133,10 +160,10 @@ class Responses:
 
 
 @torch.no_grad()
-def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -> Responses:
-    """(B, T) left-padded prompts, (B, N, V) exponential noise -> the target's responses.
+def sample_responses(pair: Pair, ids, mask, noise: RowNoise, max_new: int) -> Responses:
+    """(B, T) left-padded prompts, their noise streams -> the target's responses.
 
-    Tokens, lengths and the noise's rows meet the probabilities on the pair's device; the ids fed back go
+    Tokens, lengths and each position's noise meet the probabilities on the pair's device; the ids fed back go
     to the target's input device. A row ends at any of the pair's EOS ids, and EOS pads it after that.
     """
     s, dev, into = pair.config.sampling, pair.device, pair.input_device("target")
@@ -152,7 +179,7 @@ def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -
     first = pair.logits(logits.logits[:, -1])
     for t in range(max_new):
         probs = transform(pair.logits(logits.logits[:, -1]), s)
-        tok = race_argmax(probs, noise[:, t].to(dev, non_blocking=True))
+        tok = race_argmax(probs, noise.response(t).to(dev, non_blocking=True))
         tok = torch.where(done, out[:, t], tok)
         out[:, t] = tok
         newly = torch.isin(tok, eos) & ~done
@@ -167,56 +194,38 @@ def sample_responses(pair: Pair, ids, mask, noise: torch.Tensor, max_new: int) -
 
 
 @torch.no_grad()
-def target_logits(pair: Pair, resp: Responses, mask: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """(B, T) prompt mask, (B, N) mixed sequence -> (B, N, V) target logits p(. | x, z_<i).
+def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise, scores: PositionScores, phase):
+    """Draft pass over the response with candidates and mixing; each position goes to `scores` as it is made.
 
-    The target already read the prompts while sampling: its cache is cut back to them and only
-    z_<N is fed, instead of a second pass over the prompts (the larger part of the tokens).
-    """
-    T, N, into = mask.shape[1], z.shape[1], pair.input_device("target")
-    cache = resp.cache
-    crop_cache(cache, T)
-    logits = [resp.first_logits[:, None]]
-    if N > 1:
-        m = torch.cat([mask, torch.ones(mask.shape[0], N - 1, dtype=mask.dtype)], dim=1).to(into)
-        out = forward(pair.target, z[:, :-1].to(into), cache, attention_mask=m, position_ids=positions(m)[:, T:])
-        logits.append(pair.logits(out.logits))
-    return torch.cat(logits, 1)
-
-
-@torch.no_grad()
-def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise):
-    """Draft pass over the response with candidates and mixing.
-
-    (B, T) prompts, (B, N) responses, (B,) r per row -> dict of (B, N) candidate, z, from_target,
-    (B, N, V) q, (B, N, V) q_raw (the softmax of the raw logits; None when the setting is plain T = 1,
-    where it equals q) and (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token).
+    (B, T) prompts, (B, N) responses, (B,) r per row -> dict of (B, N) candidate, z, from_target and
+    (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token). scores receives (B, V) q, q_raw
+    (the softmax of the raw logits; None when the setting is plain T = 1, where it equals q), the candidate, z.
     """
     s, dev, into = pair.config.sampling, pair.device, pair.input_device("draft")
     plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
     B, N = y.shape
     ids, mask, y, ratios, mix = ids.to(into), mask.to(into), y.to(dev), ratios.to(dev), noise.mix.to(dev)
     cache = new_cache()
-    out, state = forward(pair.draft, ids, cache, hidden=True, attention_mask=mask, position_ids=positions(mask),
-                         logits_to_keep=1)
-    hidden, qs, raws, cands, zs, froms = [state[:, -1]], [], [], [], [], []
+    with phase("draft walk"):
+        out, state = forward(pair.draft, ids, cache, hidden=True, attention_mask=mask, position_ids=positions(mask),
+                             logits_to_keep=1)
+    hidden, cands, zs, froms = [state[:, -1]], [], [], []
     for t in range(N):
-        logits = pair.logits(out.logits[:, -1])
-        q = transform(logits, s)
-        c = race_argmax(q, noise.candidate[:, t].to(dev, non_blocking=True))
-        from_target = mix[:, t] < ratios
-        z = torch.where(from_target, y[:, t], c)
-        qs.append(q), cands.append(c), zs.append(z), froms.append(from_target)
-        if not plain:
-            raws.append(logits.softmax(-1))
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=into)], dim=1)
-        out, state = forward(pair.draft, z[:, None].to(into), cache, hidden=True, attention_mask=mask,
-                             position_ids=positions(mask)[:, -1:])
-        hidden.append(state[:, -1])
-    return {
-        "candidate": torch.stack(cands, 1), "z": torch.stack(zs, 1), "from_target": torch.stack(froms, 1),
-        "q": torch.stack(qs, 1), "q_raw": torch.stack(raws, 1) if raws else None, "hidden": torch.stack(hidden, 1),
-    }
+        with phase("draft walk"):
+            logits = pair.logits(out.logits[:, -1])
+            q = transform(logits, s)
+            c = race_argmax(q, noise.candidate(t).to(dev, non_blocking=True))
+            from_target = mix[:, t] < ratios
+            z = torch.where(from_target, y[:, t], c)
+            cands.append(c), zs.append(z), froms.append(from_target)
+            raw = None if plain else logits.softmax(-1)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=into)], dim=1)
+            out, state = forward(pair.draft, z[:, None].to(into), cache, hidden=True, attention_mask=mask,
+                                 position_ids=positions(mask)[:, -1:])
+            hidden.append(state[:, -1])
+        scores.add(q, raw, c, z)
+    return {"candidate": torch.stack(cands, 1), "z": torch.stack(zs, 1), "from_target": torch.stack(froms, 1),
+            "hidden": torch.stack(hidden, 1)}
 
 
 def feature_dtype(pair: Pair) -> torch.dtype:
@@ -248,17 +257,15 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
     """
     phase = phases or (lambda name: nullcontext())
     with phase("noise"):
-        noise = RowNoise.draw([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
+        noise = RowNoise([prompt_generator(seed, pid) for pid in ids], max_new, pair.vocab)
+        noise.mix  # noqa: B018 (drawn here, where its time belongs)
     x, mask = left_pad(prompts, pair.eos_ids[0])
     with phase("target sampling"):
-        resp = sample_responses(pair, x, mask, noise.response, max_new)
+        resp = sample_responses(pair, x, mask, noise, max_new)
     y, lengths = resp.tokens, resp.lengths
-    with phase("draft walk"):
-        walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise)
-    with phase("target pass over z"):
-        p = transform(target_logits(pair, resp, mask, walk["z"]), pair.config.sampling)
-    with phase("statistics"):
-        stats = position_stats(p, walk["q"], walk["candidate"], walk["q_raw"])
+    scores = PositionScores(pair, resp, mask, PositionScores.chunk_for(len(prompts), pair.vocab), phase)
+    walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise, scores, phase)
+    stats = scores.result()
     with phase("records"):
         records, feats = [], []
         rows = {"y": y, "z": walk["z"], "candidate": walk["candidate"], "from_target": walk["from_target"]} | stats

@@ -15,13 +15,13 @@ from data_gen.generate import (
     Mixing,
     Phases,
     RowNoise,
+    exponential_,
     label_batch,
     left_pad,
     positions,
     prompt_generator,
     race_argmax,
     sample_responses,
-    target_logits,
 )
 from data_gen.store import done_ids, load_features, load_split
 from decode.labels import accept_prob
@@ -71,18 +71,47 @@ def test_phases_time_every_stage_without_changing_the_records(tiny_pair):
     assert all(t >= 0 for t in phases.seconds.values())
 
 
-def test_target_logits_from_the_sampling_cache_equal_a_fresh_pass(tiny_pair):
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_scores_in_stretches_from_the_sampling_cache_equal_a_fresh_pass(tiny_pair, chunk):
+    """The target reads z a stretch at a time from the cache it sampled with: the labels are those of one fresh
+    pass over prompt + z, whatever the stretch."""
+    from data_gen.scores import PositionScores
+    from decode.labels import position_stats
+    from decode.sampling import transform
+
     ps, ids = prompts(5), [f"p{i}" for i in range(5)]
     x, mask = left_pad(ps, tiny_pair.tokenizer.eos_token_id)
-    noise = RowNoise.draw([prompt_generator(0, i) for i in ids], 9, tiny_pair.vocab)
-    resp = sample_responses(tiny_pair, x, mask, noise.response, 9)
-    z = torch.randint(1, tiny_pair.vocab, resp.tokens.shape, generator=torch.Generator().manual_seed(0))
-    reused = target_logits(tiny_pair, resp, mask, z)
+    resp = sample_responses(tiny_pair, x, mask, RowNoise([prompt_generator(0, i) for i in ids], 9, tiny_pair.vocab), 9)
+    g = torch.Generator().manual_seed(0)
+    N = resp.tokens.shape[1]
+    z = torch.randint(1, tiny_pair.vocab, (5, N), generator=g)
+    q = torch.softmax(torch.randn(5, N, tiny_pair.vocab, generator=g), -1)
+    scores = PositionScores(tiny_pair, resp, mask, chunk)
+    for t in range(N):
+        scores.add(q[:, t], None, z[:, t], z[:, t])
     full = torch.cat([mask, torch.ones_like(z)], 1)
     fresh = tiny_pair.target(torch.cat([x, z], 1), attention_mask=full, position_ids=positions(full)).logits
-    T = x.shape[1]
-    assert reused.shape == (5, z.shape[1], tiny_pair.vocab)
-    assert torch.allclose(reused, tiny_pair.logits(fresh[:, T - 1 : -1]), atol=1e-4)
+    p = transform(tiny_pair.logits(fresh[:, x.shape[1] - 1 : -1]), tiny_pair.config.sampling)
+    want, got = position_stats(p, q, z), scores.result()
+    assert set(got) == set(want) and got["alpha"].shape == (5, N)
+    for k in want:
+        assert torch.allclose(got[k], want[k], atol=1e-4), k
+
+
+def test_noise_drawn_per_position_is_the_whole_stream_drawn_up_front():
+    """Responses, then candidates, then the mixing coins, per row, whatever is drawn when (and rows whose
+    responses end early skip the rest)."""
+    n, V = 7, 50
+    streams = []
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        streams.append([torch.rand(n, V, generator=g), torch.rand(n, V, generator=g), torch.rand(n, generator=g)])
+    noise = RowNoise([torch.Generator().manual_seed(s) for s in (1, 2)], n, V)
+    for t in range(3):
+        assert torch.equal(noise.response(t), exponential_(torch.stack([s[0][t] for s in streams])))
+    assert torch.equal(noise.mix, torch.stack([s[2] for s in streams]))
+    for t in range(n):  # the responses ended after 3 positions: candidates still start after N of them
+        assert torch.equal(noise.candidate(t), exponential_(torch.stack([s[1][t] for s in streams])))
 
 
 def test_race_argmax_is_the_gumbel_max_draw_and_samples_p():
