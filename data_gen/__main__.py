@@ -17,6 +17,7 @@ from __future__ import annotations
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -89,6 +90,28 @@ class StopOnSignal(Callback):
             signal.signal(sig, handler)
 
 
+class ProgressLine(Callback):
+    """One plain line per `every` batches and at the end (rank 0): prompts labelled, rate and time left. Lightning's
+    bar redraws itself in place, which a log file of a run under nohup shows as one unreadable line."""
+
+    def __init__(self, every: int = 5):
+        self.every = every
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self.t0, self.done = time.perf_counter(), 0
+        self.total = len(trainer.datamodule.items)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.done += len(batch) * trainer.world_size
+        batches = trainer.num_predict_batches[dataloader_idx] if trainer.num_predict_batches else 0
+        if trainer.is_global_zero and ((batch_idx + 1) % self.every == 0 or batch_idx + 1 == batches):
+            done, rate = min(self.done, self.total), self.done / max(time.perf_counter() - self.t0, 1e-9)
+            left = (self.total - done) / max(rate, 1e-9)
+            print(f"[data_gen] {trainer.datamodule.output_dir.name}: {done}/{self.total} prompts labelled "
+                  f"({100 * done / max(1, self.total):.0f}%), {rate:.2f} prompts/s, about {left / 60:.1f} min left",
+                  flush=True)
+
+
 def stop_message(cli, stop: Interrupted) -> str:
     """What was kept and how to resume, after an interruption."""
     data = cli.datamodule
@@ -112,7 +135,8 @@ def run(args=None) -> None:
     cli = LabelCLI(
         Labeller, PromptData, run=False, args=args, save_config_callback=None,
         trainer_defaults={"logger": False, "enable_checkpointing": False, "use_distributed_sampler": False,
-                          "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter(), StopOnSignal()]},
+                          "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter(), StopOnSignal(), ProgressLine()],
+                          "enable_progress_bar": False},
     )
     base = cli.datamodule.output_dir
     for setting in settings_of(cli):

@@ -173,7 +173,7 @@ def sample_responses(pair: Pair, ids, mask, noise: RowNoise, max_new: int) -> Re
     out = torch.full((B, max_new), pair.eos_ids[0], dtype=torch.long, device=dev)
     lengths = torch.full((B,), max_new, dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    cache = new_cache()
+    cache = new_cache(reserve=ids.shape[1] + max_new)
     # logits_to_keep=1: only the last prompt position's logits are read, not (B, T, V) of them
     logits = forward(pair.target, ids, cache, attention_mask=mask, position_ids=positions(mask), logits_to_keep=1)
     first = pair.logits(logits.logits[:, -1])
@@ -205,7 +205,7 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise, 
     plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
     B, N = y.shape
     ids, mask, y, ratios, mix = ids.to(into), mask.to(into), y.to(dev), ratios.to(dev), noise.mix.to(dev)
-    cache = new_cache()
+    cache = new_cache(reserve=ids.shape[1] + N)
     with phase("draft walk"):
         out, state = forward(pair.draft, ids, cache, hidden=True, attention_mask=mask, position_ids=positions(mask),
                              logits_to_keep=1)

@@ -119,7 +119,7 @@ def bench(argv: list[str]) -> None:
     """Run every method of a bench config on its prompt sets; print and save the table and plots."""
     import argparse
 
-    from decode.bench import UnknownPromptSet, run
+    from decode.evaluation.bench import UnknownPromptSet, run
 
     ap = argparse.ArgumentParser(prog="python -m decode bench")
     ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML")
@@ -146,11 +146,15 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "bench":
         return bench(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
-        from decode.compare import main as compare
+        from decode.evaluation.compare import main as compare
 
         return compare(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "summary":
+        from decode.evaluation.summary import main as summary
+
+        return summary(sys.argv[2:])
     if len(sys.argv) < 2 or sys.argv[1] != "generate":
-        sys.exit("usage: python -m decode {generate,bench,compare} ...  (see python -m decode generate --help)")
+        sys.exit("usage: python -m decode {generate,bench,compare,summary} ...  (see python -m decode generate --help)")
     from jsonargparse import CLI, ArgumentError
 
     try:

@@ -98,11 +98,12 @@ class Runner:
         self.device = model.get_input_embeddings().weight.device
 
     @torch.no_grad()
-    def feed(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def feed(self, tokens: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k new tokens -> (k, V) float32 logits on the pair's device and (k, H) last-layer hidden states on
-        the model's (None unless hidden)."""
+        the model's (None unless hidden); with last_only, those of the last token alone (a prefill's: no
+        (T, V) logits of a long prompt)."""
         x = torch.tensor([tokens], device=self.device)
-        out = forward(self.model, x, self.cache, hidden=self.hidden)
+        out = forward(self.model, x, self.cache, hidden=self.hidden, **({"logits_to_keep": 1} if last_only else {}))
         out, state = out if self.hidden else (out, None)
         self.length += len(tokens)
         self.calls.append((self.name, len(tokens)))
@@ -214,8 +215,8 @@ class SpeculativeDecoder:
         target = Runner(self.pair.target, self.pair, calls=draft.calls)
         t_start = self.now()
         if len(prompt_ids) > 1:
-            self._timed("t_draft", stats, draft.feed, prompt_ids[:-1])
-            self._timed("t_target", stats, target.feed, prompt_ids[:-1])
+            self._timed("t_draft", stats, draft.feed, prompt_ids[:-1], True)
+            self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
         committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
         while len(out) < max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).
@@ -267,7 +268,7 @@ class Autoregressive:
         runner = Runner(getattr(self.pair, self.which), self.pair, name=self.which)
         slot = "t_target" if self.which == "target" else "t_draft"
         t0 = self.now()
-        logits, _ = runner.feed(prompt_ids)
+        logits, _ = runner.feed(prompt_ids, last_only=True)
         out = []
         while len(out) < max_new_tokens:
             s = self.pair.config.sampling

@@ -29,7 +29,15 @@ class UnservableModel(ValueError):
 
 
 class GrowingLayer(DynamicLayer):
-    """One layer's cache: keys and values (B, H, L, D) are views of (B, H, capacity, D) buffers."""
+    """One layer's cache: keys and values (B, H, L, D) are views of (B, H, capacity, D) buffers.
+
+    reserve: positions the first buffer holds when the caller knows the length (prompt + new tokens): a
+    labelling batch then never grows or over-allocates; past it, the buffer doubles.
+    """
+
+    def __init__(self, reserve: int = 0):
+        super().__init__()
+        self.reserve = reserve
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -47,7 +55,8 @@ class GrowingLayer(DynamicLayer):
         old = self.get_seq_length()
         new = old + key_states.shape[-2]
         if not self._in_buffer() or new > self.buffers[0].shape[-2]:
-            self.buffers = tuple(self._grown(cached, fresh, old, 2 * new)
+            capacity = self.reserve if self.buffers is None and new <= self.reserve else 2 * new
+            self.buffers = tuple(self._grown(cached, fresh, old, capacity)
                                  for cached, fresh in ((self.keys, key_states), (self.values, value_states)))
         for buf, fresh in zip(self.buffers, (key_states, value_states)):
             buf[:, :, old:new].copy_(fresh)
@@ -62,9 +71,10 @@ class GrowingLayer(DynamicLayer):
         return buf
 
 
-def new_cache() -> Cache:
-    """An empty cache of GrowingLayers, one added per model layer on first use (as DynamicCache does)."""
-    return Cache(layer_class_to_replicate=GrowingLayer)
+def new_cache(reserve: int = 0) -> Cache:
+    """An empty cache of GrowingLayers, one added per model layer on first use (as DynamicCache does), each
+    reserving `reserve` positions up front."""
+    return Cache(layer_class_to_replicate=functools.partial(GrowingLayer, reserve))
 
 
 def rollback_cache() -> Cache:

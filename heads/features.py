@@ -36,11 +36,11 @@ class FeatureSpec:
         return hidden_size + len(self.extras)
 
     def build(self, hidden: torch.Tensor, draft_entropy: torch.Tensor, draft_top1: torch.Tensor,
-              q_cand: torch.Tensor) -> torch.Tensor:
-        """(..., H) hidden and (...) scalars -> (..., H + len(extras)) float32 features."""
+              q_cand: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(..., H) hidden and (...) scalars -> (..., H + len(extras)) features in `dtype`."""
         scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
-                   "cand_logq": q_cand.clamp_min(1e-20).log()}
-        cols = [hidden.float()] + [scalars[e].float().unsqueeze(-1) for e in self.extras]
+                   "cand_logq": q_cand.float().clamp_min(1e-20).log()}
+        cols = [hidden.to(dtype)] + [scalars[e].to(dtype).unsqueeze(-1) for e in self.extras]
         return torch.cat(cols, dim=-1)
 
     def to_dict(self) -> dict:

@@ -3,7 +3,7 @@ import csv
 import pytest
 import yaml
 
-from decode.bench import expand, run
+from decode.evaluation.bench import expand, run
 
 TINY_BENCH = {
     "max_new_tokens": 10, "prompt_sets": [{"name": "pycode", "dev": {"split": "dev", "limit": 3},
@@ -24,7 +24,7 @@ TINY_BENCH = {
 
 
 def test_prompt_sets_option_keeps_the_named_sets_and_names_the_ones_there_are(tmp_path):
-    from decode.bench import UnknownPromptSet, load_config
+    from decode.evaluation.bench import UnknownPromptSet, load_config
 
     path = tmp_path / "bench.yaml"
     two = TINY_BENCH["prompt_sets"] + [TINY_BENCH["prompt_sets"][0] | {"name": "humaneval"}]
@@ -33,6 +33,20 @@ def test_prompt_sets_option_keeps_the_named_sets_and_names_the_ones_there_are(tm
     assert [ps["name"] for ps in load_config(str(path), False, None, None, ["humaneval"])["prompt_sets"]] == ["humaneval"]
     with pytest.raises(UnknownPromptSet, match="--prompt_sets mbpp: bench.yaml has pycode, humaneval"):
         load_config(str(path), False, None, None, ["mbpp"])
+
+
+def test_quick_runs_write_to_an_ignored_scratch_folder_never_the_committed_results():
+    import subprocess
+
+    from decode.evaluation.bench import ROOT, load_config, run
+
+    cfg = load_config("configs/bench/pycode.yaml", True, None)
+    assert cfg["output"] == "runs/bench-quick/bench"
+    ignored = subprocess.run(["git", "check-ignore", "-q", cfg["output"] + "/bench.csv"], cwd=ROOT)
+    assert ignored.returncode == 0  # git status stays clean after a smoke run
+    assert load_config("configs/bench/pycode.yaml", False, None)["output"] == "docs/bench"
+    with pytest.raises(ValueError, match="smoke run"):
+        run("configs/bench/pycode.yaml", quick=True, readme=True)
 
 
 def test_grid_expansion():
@@ -77,7 +91,7 @@ def test_bench_prints_table_and_writes_csv_and_plots(tmp_path, capsys):
 
 
 def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path, monkeypatch):
-    import decode.bench as bench
+    import decode.evaluation.bench as bench
 
     for f, text in (("decode/engine.py", "v1"), ("heads/head.py", "h1"), ("ck/h/config.json", "{}"),
                     ("ck/h/model.safetensors", "w1")):
@@ -101,7 +115,7 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
 def test_bootstrap_interval_and_call_log_cost_model():
     import numpy as np
 
-    from decode.costmodel import CostModel, bootstrap_ci
+    from decode.evaluation.costmodel import CostModel, bootstrap_ci
 
     same = np.full((30, 2), 1.5)
     assert bootstrap_ci(same) == (1.5, 1.5)
@@ -121,7 +135,7 @@ def test_bootstrap_interval_and_call_log_cost_model():
 
 
 def test_goal_lines_read_the_intervals():
-    from decode.goals import goal_lines
+    from decode.evaluation.goals import goal_lines
 
     rows = [{"method": "a1", "family": "A", "speedup": 1.5, "speedup_lo": 1.4, "speedup_hi": 1.6},
             {"method": "b1", "family": "B", "speedup": 1.2, "speedup_lo": 1.1, "speedup_hi": 1.3},
@@ -134,7 +148,7 @@ def test_goal_lines_read_the_intervals():
 
 
 def test_write_readme_replaces_only_the_generated_block(tmp_path):
-    from decode.bench import README_END, README_START, write_readme
+    from decode.evaluation.report import README_END, README_START, write_readme
 
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{README_START}\nold\n{README_END}\noutro\n")
@@ -146,7 +160,7 @@ def test_write_readme_replaces_only_the_generated_block(tmp_path):
 
 
 def test_compare_two_runs(tmp_path, capsys):
-    from decode.compare import main
+    from decode.evaluation.compare import main
 
     head = "prompts,method,speedup,speedup_lo,speedup_hi\n"
     (tmp_path / "a.csv").write_text(head + "p/test greedy,SD K=2,1.5,1.4,1.6\np/test greedy,SD K=4,1.8,1.7,1.9\n"
@@ -172,7 +186,7 @@ def test_compare_two_runs(tmp_path, capsys):
 
 def test_compare_warns_when_the_runs_model_steps_differ(tmp_path, capsys):
     """Per split, ms per token of the target alone and the draft alone: a 30% faster target in one split is flagged."""
-    from decode.compare import main
+    from decode.evaluation.compare import main
 
     head = "prompts,method,kind,speedup,speedup_lo,speedup_hi,target_calls,draft_calls,t_target_s,t_draft_s\n"
 
@@ -194,7 +208,7 @@ def test_compare_warns_when_the_runs_model_steps_differ(tmp_path, capsys):
 def test_each_section_names_its_heads_with_their_dev_auroc(tmp_path):
     import json
 
-    from decode.bench import Method, head_lines
+    from decode.evaluation.bench import Method, head_lines
 
     head = tmp_path / "specdecpp-greedy"
     head.mkdir()
@@ -211,8 +225,8 @@ def test_each_section_names_its_heads_with_their_dev_auroc(tmp_path):
 def test_paired_goals_tell_a_five_percent_difference_the_row_intervals_cannot():
     import numpy as np
 
-    from decode.costmodel import bootstrap_ci
-    from decode.goals import goal_lines
+    from decode.evaluation.costmodel import bootstrap_ci
+    from decode.evaluation.goals import goal_lines
 
     rng = np.random.default_rng(0)
     prompt = rng.uniform(0.7, 1.5, size=(40, 1))  # prompts differ far more than the methods do
@@ -229,7 +243,7 @@ def test_paired_goals_tell_a_five_percent_difference_the_row_intervals_cannot():
 
 
 def test_cost_model_mean_of_measurements_through_a_section():
-    from decode.costmodel import CostModel
+    from decode.evaluation.costmodel import CostModel
 
     a = CostModel(step={"draft": [1.0], "target": [6.0, 7.0]}, prefill={"target": ([10, 30], [10.0, 30.0])},
                   switched={"draft": [1.2], "target": [6.0, 7.4]})
@@ -242,7 +256,7 @@ def test_cost_model_mean_of_measurements_through_a_section():
 
 
 def test_paired_goals_are_symmetric_when_a_few_prompts_have_large_ratios():
-    from decode.goals import paired
+    from decode.evaluation.goals import paired
 
     a = [[1.0]] * 8 + [[4.0]] * 2  # a wins big on two prompts
     b = [[2.0]] * 8 + [[1.0]] * 2  # b wins by 2x on eight
@@ -255,7 +269,7 @@ def test_paired_goals_are_symmetric_when_a_few_prompts_have_large_ratios():
 def test_cost_model_times_each_step_with_the_sections_sampling_work(tiny_pair, sampling):
     """Every cell of the step tables is filled on the tiny pair, greedy and under top-p (the transform of the
     target's n rows and the draw run inside each timed step)."""
-    from decode.costmodel import CostModel
+    from decode.evaluation.costmodel import CostModel
 
     pair = tiny_pair.with_sampling(**sampling)
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 14)]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from decode.bench import expand
+from decode.evaluation.bench import expand
 
 ROOT = Path(__file__).resolve().parents[1]
 

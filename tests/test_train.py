@@ -86,7 +86,7 @@ def test_export_load_round_trip_and_draft_check(tmp_path):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_parses_through_the_cli(recipe):
-    from train.__main__ import HeadCLI
+    from train.cli import HeadCLI
     from train.data import LabelData
     from train.module import HeadModule
 
@@ -101,7 +101,7 @@ def test_every_recipe_parses_through_the_cli(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tmp_path):
-    from train.__main__ import cli
+    from train.cli import cli
 
     def edit(cfg):
         cfg["data"]["labels"] = str(yaml.safe_load(tiny_labels.read_text())["data"]["output"])
@@ -176,7 +176,7 @@ def test_sigterm_during_fit_saves_state_and_the_resumed_run_exports_the_same_hea
     import sys
     import time
 
-    from train.__main__ import cli
+    from train.cli import cli
 
     def config(tag, slow):
         def edit(cfg):

@@ -15,10 +15,10 @@ import time
 import torch
 
 from decode.pair import load_pair
-from decode.paircheck import step_cost_ms
 from heads import AcceptanceHead, FeatureSpec, LinearVerifier
 from train.data import flatten, resolve
 from train.labels import weighted_bce
+from train.paircheck import step_cost_ms
 
 
 def median_ms(fn, warmup: int = 20, runs: int = 300) -> float:

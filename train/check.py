@@ -53,7 +53,7 @@ def label(pair_yaml: Path, folder: Path, n: int, max_new: int, accelerator: str)
 
 def train_head(gen_cfg: Path, folder: Path, accelerator: str, position: str = "prev") -> str:
     """One epoch of the SpecDec++ recipe on those labels -> the exported head's folder."""
-    from train.__main__ import cli
+    from train.cli import cli
     from train.sweep import config_with, set_export_name
 
     def edit(cfg):

@@ -55,12 +55,15 @@ def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torc
     """
     xs, cols = [], {c: [] for c in COLUMNS}
     for r in ds:
-        h = feats[r["id"]].float()
+        h = feats[r["id"]]
+        # Kept in the stored half dtype (the head casts each batch): float32 would double the largest tensor of
+        # training. Extras are float32 scalars that half precision would round, so with extras it is float32.
+        dtype = torch.float32 if spec.extras else h.dtype
         keep = torch.tensor([not ft for ft in r["from_target"]]) if spec.position == "own" else \
             torch.ones(len(r["z"]), dtype=torch.bool)
         hid = h[1:] if spec.position == "own" else h[:-1]
         c = {k: torch.tensor(r[k], dtype=torch.float32)[keep] for k in COLUMNS}
-        xs.append(spec.build(hid[keep], c["draft_entropy"], c["draft_top1"], c["q_cand"]))
+        xs.append(spec.build(hid[keep], c["draft_entropy"], c["draft_top1"], c["q_cand"], dtype))
         for k in COLUMNS:
             cols[k].append(c[k])
     return torch.cat(xs), {k: torch.cat(v) for k, v in cols.items()}
@@ -145,7 +148,6 @@ class LabelData(L.LightningDataModule):
                "--data.output", str(resolve(self.labels)),
                "--settings", f"[{{temperature: {s.temperature}, top_k: {s.top_k}, top_p: {s.top_p}}}]"]
         log.warning("label set %s is missing: building it with `%s`", out, " ".join(cmd))
-        print(f"label set {out} missing; building it: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
 
     def split_tensors(self, split: str) -> tuple[TensorDataset, dict[str, torch.Tensor]]:

@@ -31,7 +31,7 @@ class HeadModule(L.LightningModule):
         # Standardise features with training statistics (stored in the head, so decode does the same).
         x = self.trainer.datamodule.tensors[self.trainer.datamodule.train_split].tensors[0]
         if hasattr(self.head, "set_normalizer"):
-            self.head.set_normalizer(x.mean(0), x.std(0))
+            self.head.set_normalizer(*moments(x))
 
     def training_step(self, batch, batch_idx):
         x, target, _ = batch
@@ -65,3 +65,17 @@ class HeadModule(L.LightningModule):
         opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, self.trainer.estimated_stepping_batches))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def moments(x: torch.Tensor, chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, D) features in any float dtype -> (D,) float32 mean and (unbiased) std, in float64 sums over chunks
+    of rows, so half-precision features are never copied whole to float32."""
+    total, sq = torch.zeros(x.shape[1], dtype=torch.float64), torch.zeros(x.shape[1], dtype=torch.float64)
+    for part in x.split(chunk):
+        part = part.double()
+        total += part.sum(0)
+        sq += (part * part).sum(0)
+    n = x.shape[0]
+    mean = total / n
+    var = (sq - n * mean * mean) / max(1, n - 1)
+    return mean.float(), var.clamp_min(0).sqrt().float()

@@ -12,7 +12,7 @@ T = 1), as production drafts are. Training steps are compiled (torch.compile) in
 
 State is saved every `--save-every` steps under checkpoints/pycode/.state/ so an interrupted run
 continues where it stopped, and four snapshots per model are kept there for the learning curve
-(`python -m decode.paircheck --curve`). The pair replaces checkpoints/pycode/{draft,target} only when
+(`python -m train.paircheck --curve`). The pair replaces checkpoints/pycode/{draft,target} only when
 both models are done; the weights are stored in float16.
 """
 

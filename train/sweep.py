@@ -59,7 +59,7 @@ def parse_set(items: list[str]) -> dict[str, list]:
 
 
 def run_cell(base: str, values: dict, name: str, extra: list[str]) -> dict:
-    from train.__main__ import cli
+    from train.cli import cli
 
     def edit(cfg):
         for k, v in values.items():
