@@ -149,12 +149,16 @@ def main() -> None:
         from decode.evaluation.compare import main as compare
 
         return compare(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "replay":
+        from decode.evaluation.replay import main as replay
+
+        return replay(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "summary":
         from decode.evaluation.summary import main as summary
 
         return summary(sys.argv[2:])
     if len(sys.argv) < 2 or sys.argv[1] != "generate":
-        sys.exit("usage: python -m decode {generate,bench,compare,summary} ...  (see python -m decode generate --help)")
+        sys.exit("usage: python -m decode {generate,bench,compare,replay,summary} ...  (see python -m decode generate --help)")
     from jsonargparse import CLI, ArgumentError
 
     try:

@@ -39,12 +39,30 @@ class DraftStep:
         rules read this rather than q, so they still work under greedy decoding, where q is one-hot."""
         return self.logits.softmax(-1)
 
+    # What the rules and head extras read of the draft's distribution: three scalars, so that a recorded
+    # trajectory (decode.evaluation.replay) can hand a policy the same step without the (V,) logits.
+    @functools.cached_property
+    def confidence(self) -> float:
+        """The draft's raw probability of its own token."""
+        return float(self.probs[self.token])
+
+    @functools.cached_property
+    def entropy(self) -> float:
+        """Entropy of the draft's raw distribution, in nats."""
+        return float(L.entropy(self.probs))
+
+    @functools.cached_property
+    def top1(self) -> float:
+        """The draft's largest raw probability."""
+        return float(self.probs.max())
+
 
 class Policy:
     max_len: int = 20
     needs_target_peek = False
     needs_hidden = False  # the engine asks the draft for hidden states only when True
     reads_own_state = False  # stop() needs the state after reading the candidate (one more draft pass)
+    needs_costs = False  # the decoder hands it the machine's step costs (set_costs) before decoding
 
     def reset(self) -> None:
         pass
@@ -113,7 +131,10 @@ class HeadPolicy(Policy):
         self.head, self.config = from_pretrained(head_dir)
         self.features = FeatureSpec(**self.config["features"])
         self.reads_own_state = self.features.position == "own"
-        self.fast_prob = self.head.inference_fn()  # numpy path: the head's cost at batch 1 is dispatch
+        raw = self.head.inference_fn()  # numpy path: the head's cost at batch 1 is dispatch
+        cal = self.config.get("calibration")
+        # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule multiplies)
+        self.fast_prob = raw if cal is None else functools.partial(calibrated, raw, cal["a"], cal["b"])
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
 
     def bind(self, draft_identity: dict, sampling: Sampling | None = None) -> None:
@@ -137,9 +158,14 @@ class HeadPolicy(Policy):
         # The head runs in numpy on the CPU (its cost at batch 1 is dispatch): its inputs are taken there explicitly.
         hidden = (step.hidden_own if self.features.position == "own" else step.hidden_prev).float().cpu()
         if self.features.extras:
-            p = step.probs
-            hidden = self.features.build(hidden, *(x.cpu() for x in (L.entropy(p), p.max(), p[step.token])))
+            hidden = self.features.build(hidden, *(torch.tensor(x) for x in (step.entropy, step.top1, step.confidence)))
         return self.fast_prob(hidden.numpy())
+
+
+def calibrated(raw: Callable, a: float, b: float, x) -> float:
+    """sigmoid(a * logit(raw(x)) + b): a head's probability after the calibration recorded in its config."""
+    p = min(max(raw(x), 1e-7), 1 - 1e-7)
+    return 1.0 / (1.0 + math.exp(-(a * math.log(p / (1 - p)) + b)))
 
 
 class SpecDecPP(HeadPolicy):
@@ -168,6 +194,63 @@ class SpecDecPP(HeadPolicy):
         return self.update(self.prob(step))
 
 
+class CostAwareStop(HeadPolicy):
+    """Stop when one more candidate is worth less than it costs, from the head's (calibrated) probabilities and the
+    step costs of the machine, with no tuned threshold.
+
+    After candidates 1..k with acceptance probabilities a_1..a_k and survival S_k = a_1 ... a_k, the round is
+    expected to yield E_k = 1 + S_1 + ... + S_k tokens for C_k = k * draft_ms + target_ms + k * per_token_ms.
+    Candidate k + 1 would add about S_k * a_k tokens (the next acceptance is estimated by the last one) for
+    draft_ms + per_token_ms. Rounds repeat, so the rate to maximise is the long-run one, tokens over time across
+    rounds (a renewal-reward ratio): drafting goes on while the marginal rate beats it, estimated as the expected
+    tokens over the cost of the rounds so far (the current round's own rate in the first). Costs left None are
+    measured once per pair by the decoder (engine.measure_costs); h, when given, replaces the rule by SpecDec++'s
+    threshold.
+    """
+
+    needs_costs = True
+
+    def __init__(self, head_dir: str, draft_ms: float | None = None, target_ms: float | None = None,
+                 per_token_ms: float | None = None, h: float | None = None, max_len: int = 20,
+                 allow_sampling_mismatch: bool = False):
+        super().__init__(head_dir, allow_sampling_mismatch)
+        if h is not None:
+            check_unit("h", h, open_ends=True)
+        costs = (draft_ms, target_ms, per_token_ms)
+        if any(c is not None and c < 0 for c in costs) or (target_ms is not None and target_ms <= 0):
+            raise ValueError(f"step costs must be >= 0 ms (the target's > 0), got {costs}")
+        self.costs = costs if None not in costs else None
+        self.h, self.max_len = h, check_max_len(max_len)
+        self.reset()
+
+    def set_costs(self, draft_ms: float, target_ms: float, per_token_ms: float) -> None:
+        """The machine's step costs in ms, when the constructor was not given them."""
+        if self.costs is None:
+            self.costs = (draft_ms, target_ms, per_token_ms)
+
+    def reset(self):
+        if getattr(self, "k", 0) and self.costs is not None:  # a round ended: it joins the long-run rate
+            self.tokens += self.expected
+            self.spent += self.k * (self.costs[0] + self.costs[2]) + self.costs[1]
+        elif not hasattr(self, "tokens"):
+            self.tokens = self.spent = 0.0
+        self.survive, self.expected, self.k = 1.0, 1.0, 0
+
+    def stop(self, step):
+        a = self.prob(step)
+        self.k += 1
+        self.survive *= a
+        self.expected += self.survive
+        if self.h is not None:
+            return 1.0 - self.survive > self.h
+        if self.costs is None:
+            raise ValueError("CostAwareStop has no step costs: give draft_ms, target_ms and per_token_ms, or decode "
+                             "with SpeculativeDecoder, which measures them")
+        d, t, e = self.costs
+        tokens, spent = (self.tokens, self.spent) if self.spent else (self.expected, self.k * (d + e) + t)
+        return self.survive * a * spent <= tokens * (d + e)
+
+
 class SprinterVerifier(HeadPolicy):
     """SPRINTER's drafting side: keep drafting while the verifier accepts (prob >= eta).
 
@@ -192,7 +275,7 @@ class DraftConfidence(Policy):
         self.threshold, self.max_len = threshold, check_max_len(max_len)
 
     def stop(self, step):
-        return float(step.probs[step.token]) < self.threshold
+        return step.confidence < self.threshold
 
 
 class AdaEDL(Policy):
@@ -205,7 +288,7 @@ class AdaEDL(Policy):
         self.lam, self.gamma, self.max_len = lam, gamma, check_max_len(max_len)
 
     def stop(self, step):
-        return 1.0 - math.sqrt(self.gamma * float(L.entropy(step.probs))) < self.lam
+        return 1.0 - math.sqrt(self.gamma * step.entropy) < self.lam
 
 
 class Oracle(Policy):

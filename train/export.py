@@ -38,15 +38,20 @@ class ExportHead(Callback):
         head = pl_module.head.eval()
         prob = head.prob(x)
         p, e = prob.numpy(), event.numpy()
+        a, b = platt(head(x), event)
+        calibrated = torch.sigmoid(a * head(x) + b)
         metrics = {
             "split": data.val_split, "positions": len(e), "positive_rate": float(e.mean()),
             "auroc": float(roc_auc_score(e, p)) if 0 < e.mean() < 1 else float("nan"),
             "binary_kl": float(binary_kl(target, prob).mean()),
             "brier": float(((prob - event) ** 2).mean()),
             "draft_confidence_auroc": float(roc_auc_score(e, data.columns[data.val_split]["q_cand"].numpy())),
+            "ece_raw": ece(prob, event), "ece": ece(calibrated, event),
+            "draft_confidence_ece": ece(data.columns[data.val_split]["q_cand"], event),
             "epochs": trainer.current_epoch,
         }
         meta = data.meta() | {"metrics": metrics, "recommended_threshold": youden_threshold(p, e),
+                              "calibration": {"a": a, "b": b, "fitted_on": data.val_split},
                               "train": dict(pl_module.hparams)}
         out = Path(self.directory)
         name = self.name + data.head_suffix
@@ -57,6 +62,38 @@ class ExportHead(Callback):
                   f"{name} on {data.labels}:{data.val_split}")
         print(f"\nexported head -> {out}\n{data.val_split}: AUROC {metrics['auroc']:.4f} "
               f"(draft confidence {metrics['draft_confidence_auroc']:.4f}), binary KL {metrics['binary_kl']:.4f}, "
-              f"Brier {metrics['brier']:.4f}, positions {metrics['positions']}", flush=True)
+              f"Brier {metrics['brier']:.4f}, calibration error {metrics['ece_raw']:.4f} -> {metrics['ece']:.4f} "
+              f"calibrated (draft confidence {metrics['draft_confidence_ece']:.4f}), positions {metrics['positions']}",
+              flush=True)
         self.exported = out
         self.metrics = metrics
+
+
+def platt(logits: torch.Tensor, event: torch.Tensor, steps: int = 200) -> tuple[float, float]:
+    """(N,) head logits, (N,) 0/1 events -> (a, b) so that sigmoid(a * logit + b) is calibrated: Platt scaling,
+    BCE minimised by L-BFGS (two parameters; weighted BCE in training skews the raw probabilities)."""
+    z, y = logits.detach().double(), event.detach().double()
+    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([ab], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    return float(ab[0]), float(ab[1])
+
+
+def ece(prob: torch.Tensor, event: torch.Tensor, bins: int = 15) -> float:
+    """Expected calibration error: the mean |observed rate - mean probability| over equal-width bins, by count."""
+    prob, event = prob.double().flatten(), event.double().flatten()
+    idx = (prob * bins).long().clamp(0, bins - 1)
+    total = 0.0
+    for b in range(bins):
+        m = idx == b
+        if m.any():
+            total += float(m.sum()) * abs(float(event[m].mean()) - float(prob[m].mean()))
+    return total / max(1, len(prob))

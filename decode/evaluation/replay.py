@@ -1,0 +1,285 @@
+"""Replay greedy speculative decoding on recorded trajectories against a cost model: exact, in seconds.
+
+    python -m decode replay --config configs/bench/pycode.yaml --prompt_set pycode --split dev
+    python -m decode replay --config configs/bench/pycode.yaml --cost "1.20,4.99,0.21"   # runH's cost line
+
+Under greedy decoding every round starts from a prefix of the target's greedy response y, and the draft is
+deterministic: a round starting after y_<i drafts the draft's own greedy continuation of y_<i, whatever the
+policy, and accepts its leading tokens that equal y. So one recording per prompt (y, and for every start i
+the draft's free run with what a policy reads: its tokens, confidence, entropy, top-1 and hidden states)
+lets any drafting policy be replayed exactly, rejected candidates included. Each replay writes the call log
+the engine would (model, tokens fed, in order) and the cost model prices it, as the bench prices a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decode.engine import Autoregressive, Runner
+from decode.pair import Pair
+from decode.policies import DraftStep, Policy
+
+
+@dataclass
+class FreeRun:
+    """The draft's greedy continuation after one prefix: k tokens and what a policy reads of each."""
+
+    tokens: list[int]
+    confidence: list[float]  # raw probability of each token (its top-1 under greedy)
+    entropy: list[float]
+    top1: list[float]
+    states: torch.Tensor | None  # (k + 1, H): state j produced token j; state j + 1 is the one after reading it
+
+
+@dataclass
+class Trajectory:
+    """One prompt: the target's greedy response and the draft's free run after every prefix of it."""
+
+    prompt: list[int]
+    response: list[int]
+    runs: list[FreeRun]  # runs[i]: the draft after prompt + response[:i]
+    max_new: int
+
+
+class RecordedStep(DraftStep):
+    """A DraftStep read from a recording: the scalars are given, there are no (V,) logits."""
+
+    def __init__(self, run: FreeRun, j: int):
+        states = run.states
+        super().__init__(j, run.tokens[j], None, None, None if states is None else states[j],
+                         None if states is None else states[j + 1])
+        self.__dict__.update(confidence=run.confidence[j], entropy=run.entropy[j], top1=run.top1[j])
+
+
+@torch.no_grad()
+def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: bool = True) -> Trajectory:
+    """Prompt ids -> its trajectory under the pair's greedy decoding (the draft reads as the engine's does)."""
+    greedy = pair.with_sampling(temperature=0.0)
+    response = Autoregressive(greedy).generate(prompt, max_new).tokens
+    draft = Runner(pair.draft, greedy, hidden=hidden, name="draft")
+    if len(prompt) > 1:
+        draft.feed(prompt[:-1], last_only=True)
+    seq, runs = list(prompt), []
+    for i in range(len(response)):
+        draft.crop(len(seq) - 1)
+        logits, h = draft.feed([seq[-1]])  # the pending token, as a round after a rejection feeds it
+        run = FreeRun([], [], [], [], None)
+        states = [h[-1]] if hidden else []
+        for _ in range(min(kmax, max_new - i)):
+            probs = logits[-1].softmax(-1)
+            tok = int(probs.argmax())
+            run.tokens.append(tok), run.confidence.append(float(probs[tok])), run.top1.append(float(probs[tok]))
+            run.entropy.append(float(-torch.xlogy(probs, probs).sum()))
+            logits, h = draft.feed([tok])
+            if hidden:
+                states.append(h[-1])
+        run.states = torch.stack(states).float().cpu() if hidden else None
+        runs.append(run)
+        seq.append(response[i])
+    return Trajectory(list(prompt), response, runs, max_new)
+
+
+def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tuple[str, int]], int]:
+    """A policy's rounds over one trajectory -> the engine's call log and the number of new tokens.
+
+    Mirrors decode.engine.SpeculativeDecoder.generate: the draft first reads what of the committed text and the
+    pending token it has not read, a plain policy reads a candidate only to draft the next one, an "own" policy
+    reads it before deciding, the target verifies k + 1 tokens, and both caches are cut back to the text.
+    """
+    T, y, out = len(traj.prompt), traj.response, 0
+    calls = [("draft", T - 1), ("target", T - 1)] if T > 1 else []
+    committed, draft_len = T - 1, T - 1
+    while out < len(y):
+        limit = max(1, min(traj.max_new - out, max_context - committed - 2))
+        run = traj.runs[out]
+        policy.reset()
+        if policy.needs_target_peek:  # the oracle: does candidate j equal the target's token there?
+            policy.peek = lambda j, run=run, at=out: at + j < len(y) and run.tokens[j] == y[at + j]
+        calls.append(("draft", committed + 1 - draft_len))
+        draft_len, k = committed + 1, 0
+        own = policy.reads_own_state
+        while True:
+            k += 1
+            if k >= min(policy.max_len, limit):
+                break
+            if own:
+                calls.append(("draft", 1))
+                draft_len += 1
+            if policy.stop(RecordedStep(run, k - 1)):
+                break
+            if not own:
+                calls.append(("draft", 1))
+                draft_len += 1
+        calls.append(("target", k + 1))
+        drafted = run.tokens[:k]
+        n_acc = next((j for j, t in enumerate(drafted) if out + j >= len(y) or t != y[out + j]), k)
+        committed += 1 + n_acc
+        draft_len = min(draft_len, committed)
+        out += n_acc + 1
+    return calls, min(out, len(y))
+
+
+def target_alone_calls(traj: Trajectory) -> list[tuple[str, int]]:
+    """The target alone's call log: the prompt, then one token at a time."""
+    return [("target", len(traj.prompt))] + [("target", 1)] * (len(traj.response) - 1)
+
+
+@dataclass
+class CostLine:
+    """A cost model of three numbers (ms): a draft step, a target forward of one token, each extra token."""
+
+    draft_ms: float
+    target_ms: float
+    per_token_ms: float
+
+    @classmethod
+    def parse(cls, text: str) -> CostLine:
+        parts = [float(x) for x in text.split(",")]
+        if len(parts) != 3 or min(parts) < 0:
+            raise ValueError(f"--cost takes 'draft_ms,target_ms,per_token_ms' (e.g. 1.20,4.99,0.21), got {text!r}")
+        return cls(*parts)
+
+    def call_ms(self, model: str, n: int, switched: bool = False) -> float:
+        """A target forward of n tokens is target_ms + (n - 1) per_token_ms; the draft's grows in the same
+        proportion (its prefill is a forward of the prompt, not one step per token)."""
+        target = self.target_ms + self.per_token_ms * (n - 1)
+        return self.draft_ms * target / self.target_ms if model == "draft" else target
+
+    def predict_s(self, calls: list[tuple[str, int]]) -> float:
+        return 1e-3 * sum(self.call_ms(m, n) for m, n in calls)
+
+    def line(self) -> tuple[float, float, float]:
+        return self.draft_ms, self.target_ms, self.per_token_ms
+
+    def describe(self) -> str:
+        return f"draft step {self.draft_ms:g} ms, target {self.target_ms:g} ms + {self.per_token_ms:g} ms per extra token"
+
+
+def speedup(trajs: list[Trajectory], policy: Policy, cost, max_context: int) -> tuple[float, float]:
+    """(mean over prompts of the predicted speedup over the target alone, mean tokens per target call)."""
+    ratios, per_call = [], []
+    for traj in trajs:
+        calls, n = replay(traj, policy, max_context)
+        ratios.append(cost.predict_s(target_alone_calls(traj)) / cost.predict_s(calls))
+        per_call.append(n / max(1, sum(1 for m, _ in calls if m == "target") - (len(traj.prompt) > 1)))
+    return statistics.fmean(ratios), statistics.fmean(per_call)
+
+
+def grid(heads: list[str]) -> dict[str, list[tuple[str, Callable[[], Policy]]]]:
+    """family -> [(value, policy factory)]: wide grids, so that a value chosen on dev is not at an edge."""
+    from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, Oracle, SpecDecPP
+
+    out = {"fixed-K": [(f"K={k}", functools.partial(FixedK, k)) for k in range(1, 11)],
+           "draft-confidence": [(f"{c:g}", functools.partial(DraftConfidence, c)) for c in
+                                (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)],
+           "adaedl": [(f"lam={v:g}", functools.partial(AdaEDL, v)) for v in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)],
+           "oracle": [("", Oracle)]}
+    for head in heads:
+        name = Path(head).name
+        out[f"SpecDec++ {name}"] = [(f"h={h:g}", functools.partial(SpecDecPP, head, h)) for h in
+                                    (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)]
+        out[f"cost-aware {name}"] = [("", functools.partial(CostAwareStop, head))]
+    return out
+
+
+def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[str, float, float]]]:
+    """family -> [(value, mean predicted speedup, tokens per target call)] over the trajectories."""
+    out = {}
+    for family, values in families.items():
+        rows = []
+        for value, make in values:
+            policy = make()
+            if policy.needs_costs:
+                policy.set_costs(*cost.line())
+            rows.append((value, *speedup(trajs, policy, cost, max_context)))
+        out[family] = rows
+    return out
+
+
+def recorded(pair: Pair, bench_cfg: dict, ps: dict, split: str, kmax: int, folder: Path) -> list[Trajectory]:
+    """The trajectories of one prompt set's split, recorded once and kept in `folder` (keyed by pair and prompts)."""
+    from decode.evaluation.bench import encode_prompts
+
+    prompts = encode_prompts(pair, ps[split], bench_cfg["max_new_tokens"])
+    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, bench_cfg["max_new_tokens"], kmax]).encode())
+    path = folder / f"{ps['name']}-{split}-{key.hexdigest()[:12]}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    trajs = []
+    for i, prompt in enumerate(prompts):
+        trajs.append(record(pair, prompt, bench_cfg["max_new_tokens"], kmax))
+        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
+            print(f"[replay] recorded {ps['name']}/{split}: {i + 1}/{len(prompts)} prompts", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(trajs, path)
+    return trajs
+
+
+def main(argv: list[str] | None = None) -> None:
+    from decode.evaluation.bench import load_config
+    from decode.evaluation.costmodel import CostModel
+    from decode.pair import load_pair
+
+    ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML: pair, prompt sets, length")
+    ap.add_argument("--prompt_set", default="pycode")
+    ap.add_argument("--heads", nargs="*", default=["checkpoints/specdecpp-greedy"], help="greedy heads to replay")
+    ap.add_argument("--cost", default="measure", help="'measure' (this machine) or 'draft_ms,target_ms,per_token_ms'")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, False, None)
+    sets = {ps["name"]: ps for ps in cfg["prompt_sets"]}
+    if args.prompt_set not in sets:
+        ap.error(f"--prompt_set {args.prompt_set}: {args.config} has {', '.join(sets)}")
+    pair = load_pair(cfg["pair"]).with_sampling(temperature=0.0)
+    folder = Path("runs/replay")
+    trajs = {s: recorded(pair, cfg, sets[args.prompt_set], s, 20, folder) for s in ("dev", "test")}
+    if args.cost == "measure":
+        prompts = [t.prompt for t in trajs["dev"]]
+        cost = Priced(CostModel.measure(pair, prompts, n_max=21, repeats=5))
+        print(f"cost model measured here: {cost.model.describe()}")
+    else:
+        cost = CostLine.parse(args.cost)
+    families = grid(args.heads)
+    dev, test = (evaluate(trajs[s], families, cost, pair.config.max_context) for s in ("dev", "test"))
+    print(f"\n{args.prompt_set}, greedy, {len(trajs['test'])} test prompts; value chosen on "
+          f"{len(trajs['dev'])} dev prompts; predicted speedup over the target alone (cost: {cost.describe()})\n")
+    print("| family | chosen on dev | dev speedup | test speedup | test tokens per target call | note |\n|---|---|---|---|---|---|")
+    for family, rows in dev.items():
+        best = max(range(len(rows)), key=lambda j: rows[j][1])
+        edge = len(rows) > 1 and best in (0, len(rows) - 1)
+        value, _, _ = rows[best]
+        t = test[family][best]
+        print(f"| {family} | {value or '-'} | {rows[best][1]:.3f} | {t[1]:.3f} | {t[2]:.2f} | "
+              f"{'at the edge of the grid' if edge else ''} |")
+
+
+class Priced:
+    """A measured decode.evaluation.costmodel.CostModel with the CostLine interface (predict_s, line, describe)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def predict_s(self, calls):
+        return self.model.predict_s(calls)
+
+    def line(self) -> tuple[float, float, float]:
+        t = self.model.step["target"]
+        return self.model.step["draft"][0], t[0], (t[-1] - t[0]) / max(1, len(t) - 1)
+
+    def describe(self) -> str:
+        return self.model.describe()
+
+
+if __name__ == "__main__":
+    main()

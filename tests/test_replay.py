@@ -1,0 +1,81 @@
+"""Replay of greedy decoding on recorded trajectories writes the engine's own call log, round for round."""
+
+import pytest
+
+from decode.engine import SpeculativeDecoder
+from decode.evaluation.replay import CostLine, record, replay, speedup, target_alone_calls
+from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, Oracle, SpecDecPP
+from decode.rules import SpeculativeSampling
+from tests.test_decode import PROMPTS, export_head
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_pair):
+    return tiny_pair.with_sampling(temperature=0.0)
+
+
+def policies(heads):
+    yield FixedK(3)
+    yield FixedK(7)
+    yield DraftConfidence(0.3)
+    yield AdaEDL(0.5)
+    yield Oracle()
+    for head in heads:
+        yield SpecDecPP(head, h=0.5)
+        yield CostAwareStop(head, draft_ms=1.0, target_ms=5.0, per_token_ms=0.2)
+
+
+def test_replay_writes_the_engines_call_log_for_every_policy(greedy, tmp_path):
+    heads = [export_head(tmp_path, greedy, depth=3, position=pos, name=pos) for pos in ("own", "prev")]
+    checked = 0
+    for prompt in PROMPTS[:8]:
+        traj = record(greedy, prompt, 24)
+        assert traj.response == SpeculativeDecoder(greedy, FixedK(1), SpeculativeSampling()).generate(prompt, 24).tokens
+        for live, replayed in zip(policies(heads), policies(heads)):
+            out = SpeculativeDecoder(greedy, live, SpeculativeSampling()).generate(prompt, 24)
+            calls, n = replay(traj, replayed, greedy.config.max_context)
+            assert calls == out.stats.calls and n == len(out.tokens), (type(live).__name__, prompt)
+            checked += 1
+    assert checked == 8 * 9
+
+
+def test_cost_line_prices_calls_and_the_oracle_accepts_most_per_target_call(greedy):
+    cost = CostLine.parse("1.0,5.0,0.25")
+    assert cost.predict_s([("draft", 1), ("target", 3), ("draft", 1)]) == pytest.approx(1e-3 * (1 + 5.5 + 1))
+    assert cost.call_ms("draft", 5) == pytest.approx(1.0 * 6.0 / 5.0)  # a prefill grows as the target's
+    with pytest.raises(ValueError, match="draft_ms,target_ms,per_token_ms"):
+        CostLine.parse("1,2")
+    trajs = [record(greedy, p, 24) for p in PROMPTS[:6]]
+    assert all(target_alone_calls(t)[0] == ("target", len(t.prompt)) for t in trajs)
+    _, oracle = speedup(trajs, Oracle(), cost, greedy.config.max_context)
+    assert all(oracle >= speedup(trajs, FixedK(k), cost, greedy.config.max_context)[1] for k in (1, 2, 4))
+
+
+def test_cost_aware_stop_drafts_while_one_more_candidate_pays_for_itself(greedy, tmp_path):
+    """A head that says 0.8 for every candidate: with a 1.2 ms draft step, a 4.99 ms target call and 0.21 ms per
+    extra verified token, candidate k + 1 adds 0.8^(k+1) tokens for 1.41 ms, worth it while that beats the
+    round's rate: k = 1 (0.45 > 0.28 tokens/ms), k = 2 (0.36 > 0.31), not k = 3 (0.29 < 0.32)."""
+    import json
+    import math
+    from pathlib import Path
+
+    head = export_head(tmp_path, greedy, bias=math.log(0.8 / 0.2), position="prev", name="sure")
+    policy = CostAwareStop(head, draft_ms=1.2, target_ms=4.99, per_token_ms=0.21)
+    policy.reset()
+    steps = [replay_step(i) for i in range(6)]
+    assert [policy.stop(s) for s in steps[:3]] == [False, False, True]
+    cfg = json.loads((Path(head) / "config.json").read_text())
+    cfg["calibration"] = {"a": 1.0, "b": -math.log(4.0)}  # calibrated: 0.8 -> 0.5
+    (Path(head) / "config.json").write_text(json.dumps(cfg))
+    assert abs(CostAwareStop(head, 1.2, 4.99, 0.21).prob(steps[0]) - 0.5) < 1e-6
+    with pytest.raises(ValueError, match="step costs"):
+        CostAwareStop(head, -1.0, 4.99, 0.21)
+
+
+def replay_step(i: int):
+    import torch
+
+    from decode.evaluation.replay import FreeRun, RecordedStep
+
+    run = FreeRun([1] * 8, [0.9] * 8, [0.1] * 8, [0.9] * 8, torch.zeros(9, 32))
+    return RecordedStep(run, i)
