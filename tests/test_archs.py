@@ -84,8 +84,7 @@ def test_sampled_sliding_window_pair_emits_the_targets_law(arch_pairs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("gemma3", "bfloat16"), ("qwen2", "bfloat16"),
-                                          ("mistral", "float32"), ("gpt-neo", "bfloat16")])
+@pytest.mark.parametrize("family,dtype", MATRIX)
 def test_pipeline_labels_trains_exports_and_decodes(arch_pairs, tmp_path, family, dtype, device):
     """data_gen -> train fit -> export -> decode generate with the head -> the HF assistant with the head,
     as `python -m train.check` runs them on a user's pair."""
