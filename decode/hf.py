@@ -35,8 +35,8 @@ class HeadStop(StoppingCriteria):
     it drafts the next one: its rule is applied one candidate late (one more draft token per round).
     """
 
-    def __init__(self, policy: SpecDecPP):
-        self.policy, self.captured, self.steps, self.head_s = policy, None, 0, 0.0
+    def __init__(self, policy: SpecDecPP, vocab: int | None = None):
+        self.policy, self.captured, self.steps, self.head_s, self.vocab = policy, None, 0, 0.0, vocab
         self.rounds, self.drafted = 0, 0  # over the assistant's life: drafting rounds, candidates
 
     def reset(self) -> None:
@@ -54,9 +54,23 @@ class HeadStop(StoppingCriteria):
         late = self.policy.reads_own_state
         stop = False
         if not late or self.steps > 1:
-            stop = self.policy.update(self.policy.fast_prob(self.captured[0].float().cpu().numpy()))
+            stop = self.policy.update(self.policy.fast_prob(self.features(input_ids, scores).numpy()))
         self.head_s += time.perf_counter() - t0
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+    def features(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """(H + extras,) what the head reads of this candidate: the captured state, and for a head with extras the
+        draft's distribution that drew it (`scores`, the last step's logits) and its probability there."""
+        x = self.captured[0].float().cpu()
+        if not self.policy.features.extras:
+            return x
+        if isinstance(scores, (tuple, list)):  # some generate paths hand the criteria every step's scores
+            scores = scores[-1]
+        probs = scores[0, : self.vocab].float().softmax(-1)
+        tok = int(input_ids[0, -1])
+        stats = (float(-torch.xlogy(probs, probs).sum()), float(probs.max()), float(probs[tok]))
+        return self.policy.features.build(x, *(torch.tensor(v) for v in stats))
 
 
 def sampling_of(generation_config) -> Sampling:
@@ -75,13 +89,14 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
     first generate call, against the one the target decodes under (SamplingMismatch).
     """
     policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch)
-    if policy.features.extras:
-        raise ValueError(f"head {head_dir} reads extra features {policy.features.extras}; inside Hugging Face "
-                         "generate only the hidden state is available: use a head trained with extras: []")
+    if policy.features.extras and policy.reads_own_state:
+        raise ValueError(f"head {head_dir} reads extra features {policy.features.extras} at the own position; inside "
+                         "Hugging Face generate a candidate's distribution is known one step before that state: use "
+                         "a head trained with position: prev (heads/specdecpp-prev.yaml) or extras: []")
     recorded = policy.config.get("draft", {})
     vocab = len(tokenizer) if tokenizer is not None else recorded.get("vocab_size")
     policy.bind(model_identity(draft, vocab, recorded.get("path", "")))
-    stop = HeadStop(policy)
+    stop = HeadStop(policy, vocab)
     assistant = copy.copy(draft)  # shares modules and weights; only its attributes are its own
     assistant.generation_config = copy.deepcopy(draft.generation_config)
     gc = assistant.generation_config

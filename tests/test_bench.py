@@ -278,3 +278,17 @@ def test_cost_model_times_each_step_with_the_sections_sampling_work(tiny_pair, s
     assert all(ms > 0 for m in cm.step for ms in cm.step[m] + cm.switched[m])
     assert cm.prefill["target"][0] == [5, 9, 14] and cm.predict_s([("target", 1)] * 2) == pytest.approx(2e-3 * cm.step["target"][0])
     assert "target step" in cm.describe()
+
+
+def test_summary_table_takes_the_best_fixed_k_and_drops_families_the_run_lacks():
+    from decode.evaluation.summary import summary
+
+    def row(method, family, s, prompts="pycode/test greedy", tps="100"):
+        return {"prompts": prompts, "method": method, "family": family, "kind": "spec", "tokens_per_s": tps,
+                "speedup": str(s), "speedup_lo": str(s - 0.1), "speedup_hi": str(s + 0.1)}
+
+    rows = [row("target", "target", 1.0), row("SD K=2", "fixed-K", 1.2), row("SD K=3", "fixed-K", 1.3),
+            row("oracle", "oracle", 1.5), row("SD K=3", "fixed-K", 9.0, prompts="pycode/dev greedy")]
+    lines = summary(rows).splitlines()
+    assert lines[0].count("|") == 7 and "best fixed K" in lines[0] and "SPRINTER" not in lines[0]
+    assert len(lines) == 3 and "1.30 [1.20, 1.40] (K=3)" in lines[2] and "9.00" not in lines[2]

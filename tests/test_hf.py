@@ -14,14 +14,15 @@ from tests.test_decode import ALPHA, PROMPTS, exact_two_token_law
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def export(tmp_path, pair, name, temperature, position="prev", bias=None):
-    head = AcceptanceHead(pair.draft.config.hidden_size, 2)
+def export(tmp_path, pair, name, temperature, position="prev", bias=None, extras=()):
+    head = AcceptanceHead(pair.draft.config.hidden_size + len(extras), 2)
     if bias is not None:
         with torch.no_grad():
             head.out.weight.zero_()
             head.out.bias.fill_(bias)
     sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0}
-    meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": []}, "sampling": sampling}
+    meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": list(extras)},
+            "sampling": sampling}
     return str(save_pretrained(head, tmp_path / name, meta))
 
 
@@ -101,3 +102,20 @@ def test_embedded_pair_greedy_equality(tmp_path):
     for text in PromptSet("pycode", "test", limit=3, seed=0).load()["prompt"]:
         ids = pair.tokenizer(text, add_special_tokens=False)["input_ids"][-300:]
         assert greedy(pair.target, ids, 24, assistant_model=assistant) == greedy(pair.target, ids, 24)
+
+
+def test_a_prev_head_with_the_drafts_distribution_among_its_features_drives_generate(hf_pair, tmp_path):
+    """The extras (entropy, top-1, log q of the candidate) come from the scores the assistant drew it from."""
+    extras = ("draft_entropy", "draft_top1", "cand_logq")
+    head = export(tmp_path, hf_pair, "x", 0.0, "prev", extras=extras)
+    assistant = specdecpp_assistant(hf_pair.draft, head, h=0.5, tokenizer=hf_pair.tokenizer)
+    seen = []
+    build = assistant.specdecpp_stop.policy.features.build
+    assistant.specdecpp_stop.policy.features.build = lambda *a: seen.append(a) or build(*a)
+    for prompt in PROMPTS[:4]:
+        assert greedy(hf_pair.target, prompt, 16, assistant_model=assistant) == greedy(hf_pair.target, prompt, 16)
+    # greedy: the candidate is the argmax of the scores it was drawn from, so its probability is their top-1
+    assert seen and all(0 < float(a[2]) <= 1 and float(a[3]) == float(a[2]) for a in seen)
+    with pytest.raises(ValueError, match="position: prev"):
+        specdecpp_assistant(hf_pair.draft, export(tmp_path, hf_pair, "o", 0.0, "own", extras=extras), h=0.5,
+                            tokenizer=hf_pair.tokenizer)

@@ -193,10 +193,46 @@ def choose(methods: list[Method], dev_rows: list[dict], tolerance: float) -> lis
     for m in methods:
         (groups.setdefault(m.family, []) if m.select == "dev" else kept).append(m)
     for group in groups.values():
+        if any(m.name not in by_name for m in group):  # chosen by replay before the dev split ran
+            kept += group
+            continue
         ok = [m for m in group if group[0].lossless or by_name[m.name]["target_nll"] <= target_nll + tolerance]
         pool = ok or [min(group, key=lambda m: by_name[m.name]["target_nll"])]
         kept.append(max(pool, key=lambda m: by_name[m.name]["speedup"]))
     return sorted(kept, key=methods.index)
+
+
+def replayable(m: Method, setting: Sampling) -> bool:
+    """Can decode.evaluation.replay price this method exactly? Greedy, our engine, a lossless rule."""
+    return setting.temperature == 0 and m.kind == "spec" and m.lossless
+
+
+def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]], cfg: dict
+                     ) -> tuple[list[Method], list[str]]:
+    """Each replayable `select: dev` grid keeps the value with the best replayed speedup on the dev prompts, priced by
+    a cost model measured now; every other method is kept (its grid, if any, still decodes dev)."""
+    from decode.evaluation.replay import Priced, record, speedup
+
+    grids: dict[str, list[Method]] = {}
+    for m in methods:
+        if m.select == "dev" and replayable(m, pair.config.sampling):
+            grids.setdefault(m.family, []).append(m)
+    if not grids:
+        return methods, []
+    n = cfg["max_new_tokens"]
+    trajs = [record(pair, p, n) for p in prompts]
+    cost = Priced(CostModel.measure(pair, prompts, 24, cfg["cost_repeats"], growth=n))
+    chosen, lines = {}, []
+    for family, group in grids.items():
+        scores = [speedup(trajs, build(m.policy), cost, pair.config.max_context)[0] for m in group]
+        best = max(range(len(group)), key=scores.__getitem__)
+        edge = len(group) > 1 and best in (0, len(group) - 1)
+        lines.append(f"- {family}, replayed speedup on {len(prompts)} dev prompts: " + ", ".join(
+            f"{m.name} {s:.3f}" for m, s in zip(group, scores)) + f" -> {group[best].name}"
+            + (" (**at the edge of the grid**)" if edge else ""))
+        chosen[family] = group[best]
+    print("\n".join(lines), flush=True)
+    return [m for m in methods if m.family not in chosen or m is chosen[m.family]], lines
 
 
 def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
@@ -261,7 +297,9 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     print(f"\n## {label}: {len(prompts)} prompts x {cfg['repeats']} repeats, {n} new tokens\n\n{note}\n\n{table(rows)}",
           flush=True)
     cache.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rows": rows, "cost": note}, default=float))
+    # the cost model itself, so that replay can price the same rows (python -m decode replay --check)
+    path.write_text(json.dumps({"rows": rows, "cost": note, "cost_model": asdict(cost), "prompts": prompts},
+                               default=float))
     return rows
 
 
@@ -327,9 +365,15 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             if quick:
                 methods = [m for m in methods if m.kind == "target" or m.name in cfg.get("quick_methods", [])]
             stem = f"{ps['name']}_{setting.name}"
-            if "dev" in ps and not quick and any(m.select == "dev" for m in methods):
+            if "dev" in ps and not quick:  # greedy grids our engine runs: chosen by replay, nothing decoded
+                methods, lines = choose_by_replay(sec_pair, methods, encode_prompts(sec_pair, ps["dev"],
+                                                                                      cfg["max_new_tokens"]), cfg)
+                if lines:
+                    dev_md += [f"### {ps['name']}/dev {setting.name} (chosen by replay)", "\n".join(lines)]
+            if "dev" in ps and not quick and any(m.select == "dev" and not replayable(m, setting) for m in methods):
+                swept = [m for m in methods if m.kind == "target" or (m.select == "dev" and not replayable(m, setting))]
                 rows = run_split(sec_pair, f"{ps['name']}/dev {setting.name}", encode_prompts(sec_pair, ps["dev"], cfg["max_new_tokens"]),
-                                 methods, cfg, out_dir / "sections")
+                                 swept, cfg, out_dir / "sections")
                 dev_rows += rows
                 dev_md += [f"### {ps['name']}/dev {setting.name} (full sweep)", table(rows)]
                 methods = choose(methods, rows, cfg["quality_tolerance"])

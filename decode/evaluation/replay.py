@@ -235,9 +235,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", nargs="*", default=["checkpoints/specdecpp-greedy"], help="greedy heads to replay")
     ap.add_argument("--cost", default="measure", help="'measure' (this machine) or 'draft_ms,target_ms,per_token_ms'")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check", type=Path, default=None, metavar="RUN",
+                    help="replay the greedy rows of a bench run folder with its own cost models and compare")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, False, None)
+    if args.check is not None:
+        return check(cfg, args.check)
     sets = {ps["name"]: ps for ps in cfg["prompt_sets"]}
     if args.prompt_set not in sets:
         ap.error(f"--prompt_set {args.prompt_set}: {args.config} has {', '.join(sets)}")
@@ -262,6 +266,42 @@ def main(argv: list[str] | None = None) -> None:
         t = test[family][best]
         print(f"| {family} | {value or '-'} | {rows[best][1]:.3f} | {t[1]:.3f} | {t[2]:.2f} | "
               f"{'at the edge of the grid' if edge else ''} |")
+
+
+def check(cfg: dict, run: Path) -> None:
+    """For every greedy section of a bench run: replay its rows that our engine decoded with a lossless rule, on the
+    section's prompts, priced by the section's own cost model, and print replay's speedup beside the bench's
+    cost-model speedup (both: the target alone's predicted time over the method's, summed over prompts)."""
+    from decode.evaluation.bench import build, expand, replayable
+    from decode.evaluation.costmodel import CostModel
+    from decode.pair import Sampling, load_pair
+
+    pair = load_pair(cfg["pair"]).with_sampling(temperature=0.0)
+    methods = {m.name: m for sec in cfg["sections"] if Sampling(**sec.get("sampling", {})).temperature == 0
+               for raw in sec["methods"] for m in expand(dict(raw), "-greedy")}
+    files = sorted(p for p in (run / "sections").glob("*greedy*.json") if "cost_model" in json.loads(p.read_text()))
+    if not files:
+        raise SystemExit(f"{run}/sections holds no greedy section with a saved cost model: run the bench with this code")
+    print("| split | method | bench cost-model speedup | replay | replay / bench |\n|---|---|---|---|---|")
+    worst = 0.0
+    for f in files:
+        saved = json.loads(f.read_text())
+        cost, rows = Priced(CostModel(**saved["cost_model"])), saved["rows"]
+        target = next(r for r in rows if r["kind"] == "target")
+        trajs = [record(pair, p, cfg["max_new_tokens"]) for p in saved["prompts"]]
+        alone = sum(cost.predict_s(target_alone_calls(t)) for t in trajs)
+        for r in rows:
+            m = methods.get(r["method"])
+            if m is None or not replayable(m, Sampling(temperature=0.0)):
+                continue
+            policy = build(m.policy)
+            if policy.needs_costs:
+                policy.set_costs(*cost.line())
+            ours = alone / sum(cost.predict_s(replay(t, policy, pair.config.max_context)[0]) for t in trajs)
+            bench = r["cost_model_tokens_per_s"] / target["cost_model_tokens_per_s"]
+            worst = max(worst, abs(ours / bench - 1))
+            print(f"| {r['prompts']} | {r['method']} | {bench:.3f} | {ours:.3f} | {ours / bench:.3f} |")
+    print(f"\nlargest difference {100 * worst:.1f}% (goal: within 5%: {'met' if worst <= 0.05 else 'NOT met'})")
 
 
 class Priced:
