@@ -150,7 +150,7 @@ def main() -> None:
 
         return compare(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "replay":
-        from decode.evaluation.replay import main as replay
+        from decode.evaluation.tuning import main as replay
 
         return replay(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "summary":

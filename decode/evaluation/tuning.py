@@ -1,0 +1,124 @@
+"""The replay command: choose each stopping rule's threshold on dev prompts and report test, or check a bench run.
+
+    python -m decode replay --config configs/bench/pycode.yaml --prompt_set pycode
+    python -m decode replay --config configs/bench/pycode.yaml --cost "1.20,4.99,0.21"   # runH's cost line
+    python -m decode replay --config configs/bench/greedy.yaml --check runs/bench-greedy
+
+Trajectories are recorded once per prompt set and split into runs/replay/ (keyed by the pair and the prompts);
+decode.evaluation.replay does the replaying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from decode.evaluation.replay import CostLine, Priced, Trajectory, evaluate, grid, record, replay, target_alone_calls
+from decode.pair import Pair
+
+
+def recorded(pair: Pair, bench_cfg: dict, ps: dict, split: str, kmax: int, folder: Path) -> list[Trajectory]:
+    """The trajectories of one prompt set's split, recorded once and kept in `folder` (keyed by pair and prompts)."""
+    from decode.evaluation.bench import encode_prompts
+
+    prompts = encode_prompts(pair, ps[split], bench_cfg["max_new_tokens"])
+    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, bench_cfg["max_new_tokens"], kmax]).encode())
+    path = folder / f"{ps['name']}-{split}-{key.hexdigest()[:12]}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=False)
+    trajs = []
+    for i, prompt in enumerate(prompts):
+        trajs.append(record(pair, prompt, bench_cfg["max_new_tokens"], kmax))
+        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
+            print(f"[replay] recorded {ps['name']}/{split}: {i + 1}/{len(prompts)} prompts", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(trajs, path)
+    return trajs
+
+
+def main(argv: list[str] | None = None) -> None:
+    from decode.evaluation.bench import load_config
+    from decode.evaluation.costmodel import CostModel
+    from decode.pair import load_pair
+
+    ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML: pair, prompt sets, length")
+    ap.add_argument("--prompt_set", default="pycode")
+    ap.add_argument("--heads", nargs="*", default=["checkpoints/specdecpp-greedy"], help="greedy heads to replay")
+    ap.add_argument("--cost", default="measure", help="'measure' (this machine) or 'draft_ms,target_ms,per_token_ms'")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check", type=Path, default=None, metavar="RUN",
+                    help="replay the greedy rows of a bench run folder with its own cost models and compare")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, False, None)
+    if args.check is not None:
+        return check(cfg, args.check)
+    sets = {ps["name"]: ps for ps in cfg["prompt_sets"]}
+    if args.prompt_set not in sets:
+        ap.error(f"--prompt_set {args.prompt_set}: {args.config} has {', '.join(sets)}")
+    pair = load_pair(cfg["pair"]).with_sampling(temperature=0.0)
+    folder = Path("runs/replay")
+    trajs = {s: recorded(pair, cfg, sets[args.prompt_set], s, 20, folder) for s in ("dev", "test")}
+    if args.cost == "measure":
+        prompts = [t.prompt for t in trajs["dev"]]
+        cost = Priced(CostModel.measure(pair, prompts, n_max=21, repeats=5))
+        print(f"cost model measured here: {cost.model.describe()}")
+    else:
+        cost = CostLine.parse(args.cost)
+    families = grid(args.heads)
+    dev, test = (evaluate(trajs[s], families, cost, pair.config.max_context) for s in ("dev", "test"))
+    print(f"\n{args.prompt_set}, greedy, {len(trajs['test'])} test prompts; value chosen on "
+          f"{len(trajs['dev'])} dev prompts; predicted speedup over the target alone (cost: {cost.describe()})\n")
+    print("| family | chosen on dev | dev speedup | test speedup | test tokens per target call | note |\n|---|---|---|---|---|---|")
+    for family, rows in dev.items():
+        best = max(range(len(rows)), key=lambda j: rows[j][1])
+        edge = len(rows) > 1 and best in (0, len(rows) - 1)
+        value, _, _ = rows[best]
+        t = test[family][best]
+        print(f"| {family} | {value or '-'} | {rows[best][1]:.3f} | {t[1]:.3f} | {t[2]:.2f} | "
+              f"{'at the edge of the grid' if edge else ''} |")
+
+
+def check(cfg: dict, run: Path) -> None:
+    """For every greedy section of a bench run: replay its rows that our engine decoded with a lossless rule, on the
+    section's prompts, priced by the section's own cost model, and print replay's speedup beside the bench's
+    cost-model speedup (both: the target alone's predicted time over the method's, summed over prompts)."""
+    from decode.evaluation.bench import build, expand, replayable
+    from decode.evaluation.costmodel import CostModel
+    from decode.pair import Sampling, load_pair
+
+    pair = load_pair(cfg["pair"]).with_sampling(temperature=0.0)
+    methods = {m.name: m for sec in cfg["sections"] if Sampling(**sec.get("sampling", {})).temperature == 0
+               for raw in sec["methods"] for m in expand(dict(raw), "-greedy")}
+    files = sorted(p for p in (run / "sections").glob("*greedy*.json") if "cost_model" in json.loads(p.read_text()))
+    if not files:
+        raise SystemExit(f"{run}/sections holds no greedy section with a saved cost model: run the bench with this code")
+    print("| split | method | bench cost-model speedup | replay | replay / bench |\n|---|---|---|---|---|")
+    worst = 0.0
+    for f in files:
+        saved = json.loads(f.read_text())
+        cost, rows = Priced(CostModel(**saved["cost_model"])), saved["rows"]
+        target = next(r for r in rows if r["kind"] == "target")
+        trajs = [record(pair, p, cfg["max_new_tokens"]) for p in saved["prompts"]]
+        alone = sum(cost.predict_s(target_alone_calls(t)) for t in trajs)
+        for r in rows:
+            m = methods.get(r["method"])
+            if m is None or not replayable(m, Sampling(temperature=0.0)):
+                continue
+            policy = build(m.policy)
+            if policy.needs_costs:
+                policy.set_costs(*cost.line())
+            ours = alone / sum(cost.predict_s(replay(t, policy, pair.config.max_context)[0]) for t in trajs)
+            bench = r["cost_model_tokens_per_s"] / target["cost_model_tokens_per_s"]
+            worst = max(worst, abs(ours / bench - 1))
+            print(f"| {r['prompts']} | {r['method']} | {bench:.3f} | {ours:.3f} | {ours / bench:.3f} |")
+    print(f"\nlargest difference {100 * worst:.1f}% (goal: within 5%: {'met' if worst <= 0.05 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
