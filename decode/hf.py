@@ -22,20 +22,21 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from decode.engine import Stats, clock
 from decode.pair import Pair, Sampling, model_identity
-from decode.policies import SpecDecPP
+from decode.policies import CostAwareStop, DraftStep, HeadPolicy, SpecDecPP
 
 ASSISTANT_ENTRY = "generate"  # the method of the assistant that transformers' AssistedCandidateGenerator calls
 
 
 class HeadStop(StoppingCriteria):
-    """SpecDec++'s stopping rule over the hidden states a hook captured; reset per drafting round.
+    """A head policy's stopping rule (SpecDec++'s, or the cost-aware stop) over the hidden states a hook captured;
+    reset per drafting round.
 
     A "prev" head scores each candidate from the state that produced it, exactly as the engine does.
     An "own" head needs the state after reading the candidate, which the assistant computes only when
     it drafts the next one: its rule is applied one candidate late (one more draft token per round).
     """
 
-    def __init__(self, policy: SpecDecPP, vocab: int | None = None):
+    def __init__(self, policy: HeadPolicy, vocab: int | None = None):
         self.policy, self.captured, self.steps, self.head_s, self.vocab = policy, None, 0, 0.0, vocab
         self.rounds, self.drafted = 0, 0  # over the assistant's life: drafting rounds, candidates
 
@@ -54,23 +55,24 @@ class HeadStop(StoppingCriteria):
         late = self.policy.reads_own_state
         stop = False
         if not late or self.steps > 1:
-            stop = self.policy.update(self.policy.fast_prob(self.features(input_ids, scores).numpy()))
+            stop = self.policy.stop(self.step(input_ids, scores))
         self.head_s += time.perf_counter() - t0
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-    def features(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """(H + extras,) what the head reads of this candidate: the captured state, and for a head with extras the
-        draft's distribution that drew it (`scores`, the last step's logits) and its probability there."""
-        x = self.captured[0].float().cpu()
-        if not self.policy.features.extras:
-            return x
-        if isinstance(scores, (tuple, list)):  # some generate paths hand the criteria every step's scores
-            scores = scores[-1]
-        probs = scores[0, : self.vocab].float().softmax(-1)
-        tok = int(input_ids[0, -1])
-        stats = (float(-torch.xlogy(probs, probs).sum()), float(probs.max()), float(probs[tok]))
-        return self.policy.features.build(x, *(torch.tensor(v) for v in stats))
+    def step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> DraftStep:
+        """The candidate as the engine would hand it to the policy: the captured state (the one that produced it;
+        for an own head, the one after the previous candidate), and for a head with extras the scalars of the
+        draft's distribution that drew it (`scores`, the last step's logits)."""
+        tok, state = int(input_ids[0, -1]), self.captured[0]
+        step = DraftStep(self.steps - 1, tok, None, None, state, state)
+        if self.policy.features.extras:
+            if isinstance(scores, (tuple, list)):  # some generate paths hand the criteria every step's scores
+                scores = scores[-1]
+            probs = scores[0, : self.vocab].float().softmax(-1)
+            step.__dict__.update(entropy=float(-torch.xlogy(probs, probs).sum()), top1=float(probs.max()),
+                                 confidence=float(probs[tok]))
+        return step
 
 
 def sampling_of(generation_config) -> Sampling:
@@ -82,13 +84,17 @@ def sampling_of(generation_config) -> Sampling:
 
 
 def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20, tokenizer=None,
-                        allow_sampling_mismatch: bool = False):
+                        allow_sampling_mismatch: bool = False, costs: tuple[float, float, float] | None = None):
     """A copy of `draft` for `generate(assistant_model=...)` whose drafting stops by an exported head.
 
-    Refuses (HeadMismatch) a head trained for another draft; the sampling setting is checked at the
+    costs: (draft step, target forward of one token, each further verified token) in ms, e.g.
+    decode.engine.measure_costs(pair): the cost-aware stop (decode.policies.CostAwareStop) replaces SpecDec++'s
+    threshold h. Refuses (HeadMismatch) a head trained for another draft; the sampling setting is checked at the
     first generate call, against the one the target decodes under (SamplingMismatch).
     """
-    policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch)
+    policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch) \
+        if costs is None else CostAwareStop(head_dir, *costs, max_len=max_len,
+                                            allow_sampling_mismatch=allow_sampling_mismatch)
     if policy.features.extras and policy.reads_own_state:
         raise ValueError(f"head {head_dir} reads extra features {policy.features.extras} at the own position; inside "
                          "Hugging Face generate a candidate's distribution is known one step before that state: use "
