@@ -59,20 +59,16 @@ class HeadStop(StoppingCriteria):
         self.head_s += time.perf_counter() - t0
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
-
     def step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> DraftStep:
         """The candidate as the engine would hand it to the policy: the captured state (the one that produced it;
         for an own head, the one after the previous candidate), and for a head with extras the scalars of the
         draft's distribution that drew it (`scores`, the last step's logits)."""
-        tok, state = int(input_ids[0, -1]), self.captured[0]
-        step = DraftStep(self.steps - 1, tok, None, None, state, state)
-        if self.policy.features.extras:
-            if isinstance(scores, (tuple, list)):  # some generate paths hand the criteria every step's scores
-                scores = scores[-1]
-            probs = scores[0, : self.vocab].float().softmax(-1)
-            step.__dict__.update(entropy=float(-torch.xlogy(probs, probs).sum()), top1=float(probs.max()),
-                                 confidence=float(probs[tok]))
-        return step
+        if isinstance(scores, (tuple, list)):  # some generate paths hand the criteria every step's scores
+            scores = scores[-1]
+        # DraftStep computes confidence, entropy and top-1 from these logits when the head reads them (extras)
+        logits = scores[0, : self.vocab].float() if self.policy.features.extras else None
+        state = self.captured[0]
+        return DraftStep(self.steps - 1, int(input_ids[0, -1]), None, logits, state, state)
 
 
 def sampling_of(generation_config) -> Sampling:

@@ -143,8 +143,8 @@ class Pair:
         return self.target.get_output_embeddings().weight.device
 
     def input_device(self, which: str = "target") -> torch.device:
-        """Where a model's input ids go: its input embeddings' device (the first shard under device_map)."""
-        return getattr(self, which).get_input_embeddings().weight.device
+        """Where the draft's or target's input ids go (see input_device)."""
+        return input_device(getattr(self, which))
 
     def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Prompt text -> token ids as the model expects them (see decode.prompting.encode)."""
@@ -177,6 +177,11 @@ def model_identity(model, vocab: int, path: str) -> dict:
     digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return {"path": path, "config_hash": digest, "hidden_size": model.config.hidden_size, "vocab_size": vocab,
             "num_layers": model.config.num_hidden_layers}
+
+
+def input_device(model) -> torch.device:
+    """Where a model's input ids go: its input embeddings' device (the first shard under device_map)."""
+    return model.get_input_embeddings().weight.device
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:

@@ -221,6 +221,8 @@ class CostAwareStop(HeadPolicy):
             raise ValueError(f"step costs must be >= 0 ms (the target's > 0), got {costs}")
         self.costs = costs if None not in costs else None
         self.h, self.max_len = h, check_max_len(max_len)
+        self.tokens = self.spent = 0.0  # expected tokens and ms of the rounds finished so far
+        self.k = 0
         self.reset()
 
     def set_costs(self, draft_ms: float, target_ms: float, per_token_ms: float) -> None:
@@ -229,11 +231,9 @@ class CostAwareStop(HeadPolicy):
             self.costs = (draft_ms, target_ms, per_token_ms)
 
     def reset(self):
-        if getattr(self, "k", 0) and self.costs is not None:  # a round ended: it joins the long-run rate
+        if self.k and self.costs is not None:  # a round ended: it joins the long-run rate
             self.tokens += self.expected
             self.spent += self.k * (self.costs[0] + self.costs[2]) + self.costs[1]
-        elif not hasattr(self, "tokens"):
-            self.tokens = self.spent = 0.0
         self.survive, self.expected, self.k = 1.0, 1.0, 0
 
     def stop(self, step):

@@ -23,13 +23,13 @@ from decode.engine import clock
 from decode.hf import hf_generate
 from decode.kvcache import forward, rollback_cache
 from decode.labels import accept_prob, expected_acceptance
-from decode.pair import ROOT, Pair, load_pair
+from decode.pair import ROOT, Pair, input_device, load_pair
 
 
 @torch.no_grad()
 def step_cost_ms(model, prefix: torch.Tensor, steps: int = 40) -> float:
     """Median ms of one cached decoding step after a (1, T) prefix."""
-    prefix, cache = prefix.to(model.get_input_embeddings().weight.device), rollback_cache()
+    prefix, cache = prefix.to(input_device(model)), rollback_cache()
     now = clock(prefix.device)
     out = forward(model, prefix, cache)
     nxt, times = out.logits[:, -1:].argmax(-1), []

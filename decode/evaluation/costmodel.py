@@ -26,6 +26,7 @@ import torch
 
 from decode.engine import clock
 from decode.kvcache import crop_cache, forward, rollback_cache
+from decode.pair import input_device
 from decode.sampling import argmax, pick, sample, transform
 
 MODELS = ("draft", "target")
@@ -38,7 +39,7 @@ def _grid(n_max: int) -> list[int]:
 
 @torch.no_grad()
 def _prefill_ms(model, ids: torch.Tensor, repeats: int) -> float:
-    ids = ids.to(model.get_input_embeddings().weight.device)
+    ids = ids.to(input_device(model))
     now, times = clock(ids.device), []
     for _ in range(repeats):
         t0 = now()

@@ -25,6 +25,7 @@ import torch
 from decode.engine import Autoregressive, Runner
 from decode.pair import Pair
 from decode.policies import DraftStep, Policy
+from decode.sampling import pick
 
 
 @dataclass
@@ -72,11 +73,11 @@ def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: 
         logits, h = draft.feed([seq[-1]])  # the pending token, as a round after a rejection feeds it
         run = FreeRun([], [], [], [], None)
         states = [h[-1]] if hidden else []
-        for _ in range(min(kmax, max_new - i)):
-            probs = logits[-1].softmax(-1)
-            tok = int(probs.argmax())
-            run.tokens.append(tok), run.confidence.append(float(probs[tok])), run.top1.append(float(probs[tok]))
-            run.entropy.append(float(-torch.xlogy(probs, probs).sum()))
+        for j in range(min(kmax, max_new - i)):
+            tok, _ = pick(logits[-1], greedy.config.sampling)  # the token and the scalars exactly as the engine's
+            step = DraftStep(j, tok, None, logits[-1], None, None)
+            run.tokens.append(tok), run.confidence.append(step.confidence), run.top1.append(step.top1)
+            run.entropy.append(step.entropy)
             logits, h = draft.feed([tok])
             if hidden:
                 states.append(h[-1])
