@@ -258,11 +258,21 @@ class SpeculativeDecoder:
 _COSTS: dict[tuple[int, int], tuple[float, float, float]] = {}
 
 
+def verify_line(two_ms: float, nine_ms: float) -> tuple[float, float]:
+    """Target forwards of 2 and 9 tokens -> (target_ms, per_token_ms): the line through them, whose value at
+    n tokens is target_ms + (n - 1) * per_token_ms (CostAwareStop's round cost)."""
+    per_token = max(0.0, (nine_ms - two_ms) / 7)
+    return two_ms - per_token, per_token
+
+
 @torch.no_grad()
 def measure_costs(pair: Pair, prefix: int = 32, repeats: int = 9) -> tuple[float, float, float]:
-    """(draft step, target forward of one token, each further verified token) in ms on this machine: the fastest
-    of `repeats` cached forwards after a `prefix`-token context (a step's own cost: on a machine shared with other
-    work the median of a few timings was seen 20x off), measured once per pair of loaded models."""
+    """(draft step, target_ms, per_token_ms) in ms on this machine, measured once per pair of loaded models: the
+    target's verify cost as a line through forwards of 2 and 9 tokens, the sizes a round verifies (one token is
+    often a different kernel, 20-25% cheaper than the line says, and no round verifies fewer than two), so a
+    round of k candidates costs k * (draft + per_token_ms) + target_ms. Each is the fastest of `repeats`
+    cached forwards after a `prefix`-token context (a step's own cost: on a machine shared with other work the
+    median of a few timings was seen 20x off)."""
     key = (id(pair.draft), id(pair.target))
     if key not in _COSTS:
         now, ids = clock(pair.device), [1 + i % max(1, pair.vocab - 1) for i in range(prefix)]
@@ -278,8 +288,7 @@ def measure_costs(pair: Pair, prefix: int = 32, repeats: int = 9) -> tuple[float
                 runner.crop(prefix)
             return 1e3 * min(times)
 
-        one, eight = fastest_ms(pair.target, 1), fastest_ms(pair.target, 8)
-        _COSTS[key] = (fastest_ms(pair.draft, 1), one, max(0.0, (eight - one) / 7))
+        _COSTS[key] = (fastest_ms(pair.draft, 1), *verify_line(fastest_ms(pair.target, 2), fastest_ms(pair.target, 9)))
     return _COSTS[key]
 
 

@@ -233,7 +233,7 @@ class CostAwareStop(HeadPolicy):
     def reset(self):
         if self.k and self.costs is not None:  # a round ended: it joins the long-run rate
             self.tokens += self.expected
-            self.spent += self.k * (self.costs[0] + self.costs[2]) + self.costs[1]
+            self.spent += self.round_ms(*self.costs)
         self.survive, self.expected, self.k = 1.0, 1.0, 0
 
     def stop(self, step):
@@ -247,8 +247,13 @@ class CostAwareStop(HeadPolicy):
             raise ValueError("CostAwareStop has no step costs: give draft_ms, target_ms and per_token_ms, or decode "
                              "with SpeculativeDecoder, which measures them")
         d, t, e = self.costs
-        tokens, spent = (self.tokens, self.spent) if self.spent else (self.expected, self.k * (d + e) + t)
+        tokens, spent = (self.tokens, self.spent) if self.spent else (self.expected, self.round_ms(d, t, e))
         return self.survive * a * spent <= tokens * (d + e)
+
+    def round_ms(self, d: float, t: float, e: float) -> float:
+        """The cost of the current round so far; a head reading the "own" state adds the draft pass over the last
+        candidate (SpecDecPP's docstring), which a further candidate does not change."""
+        return self.k * (d + e) + t + (d if self.reads_own_state else 0.0)
 
 
 class SprinterVerifier(HeadPolicy):

@@ -72,6 +72,27 @@ def test_cost_aware_stop_drafts_while_one_more_candidate_pays_for_itself(greedy,
         CostAwareStop(head, -1.0, 4.99, 0.21)
 
 
+def test_an_own_state_head_prices_its_extra_draft_pass_into_the_round(greedy, tmp_path):
+    """The same 0.8 head reading the "own" state: every round also runs the draft over its last candidate
+    (1.2 ms more), so the rate to beat is lower and the stop comes one candidate later: at k = 3 the next
+    candidate's 0.29 tokens/ms beats the round's 2.95 tokens / 10.42 ms = 0.283."""
+    import math
+
+    head = export_head(tmp_path, greedy, bias=math.log(0.8 / 0.2), position="own", name="sure-own")
+    policy = CostAwareStop(head, draft_ms=1.2, target_ms=4.99, per_token_ms=0.21)
+    policy.reset()
+    steps = [replay_step(i) for i in range(6)]
+    assert [policy.stop(s) for s in steps[:4]] == [False, False, False, True]
+
+
+def test_the_verify_line_runs_through_the_sizes_rounds_verify():
+    from decode.engine import verify_line
+
+    target_ms, per_token = verify_line(10.0, 13.5)  # forwards of 2 and 9 tokens
+    assert (target_ms + per_token, target_ms + 8 * per_token) == pytest.approx((10.0, 13.5))
+    assert verify_line(10.0, 9.0) == (10.0, 0.0)  # noise that makes 9 tokens look cheaper: flat, never negative
+
+
 def replay_step(i: int):
     import torch
 

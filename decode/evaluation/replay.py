@@ -214,8 +214,11 @@ class Priced:
         return self.model.predict_s(calls)
 
     def line(self) -> tuple[float, float, float]:
+        """The three numbers decode.engine.measure_costs measures (its verify line through 2 and 9 tokens)."""
+        from decode.engine import verify_line
+
         t = self.model.step["target"]
-        return self.model.step["draft"][0], t[0], (t[-1] - t[0]) / max(1, len(t) - 1)
+        return (self.model.step["draft"][0], *verify_line(t[1], t[min(8, len(t) - 1)]))
 
     def describe(self) -> str:
         return self.model.describe()
