@@ -290,5 +290,5 @@ def test_summary_table_takes_the_best_fixed_k_and_drops_families_the_run_lacks()
     rows = [row("target", "target", 1.0), row("SD K=2", "fixed-K", 1.2), row("SD K=3", "fixed-K", 1.3),
             row("oracle", "oracle", 1.5), row("SD K=3", "fixed-K", 9.0, prompts="pycode/dev greedy")]
     lines = summary(rows).splitlines()
-    assert lines[0].count("|") == 7 and "best fixed K" in lines[0] and "SPRINTER" not in lines[0]
+    assert lines[0].count("|") == 8 and "best fixed K" in lines[0] and "SPRINTER" not in lines[0]
     assert len(lines) == 3 and "1.30 [1.20, 1.40] (K=3)" in lines[2] and "9.00" not in lines[2]

@@ -6,7 +6,8 @@
 One row per prompt set and sampling setting (test split): the target alone's tokens/s, then the speedup over
 it, with its 95% interval, of the best fixed-K speculative decoding, each learned controller, the training-free
 rules and the hindsight oracle (methods whose thresholds the bench chose on dev prompts appear with the chosen
-one), and the SpecDec++ head's dev AUROC beside the draft confidence's for the same event.
+one), and the dev AUROC of the SpecDec++ heads (the main recipe's, and the prev head's that the stopping rules
+read) beside the draft confidence's for the same event.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 # (column, bench family): a family with several rows on test shows its fastest (fixed K: the best K in hindsight)
 COLUMNS = [("best fixed K", "fixed-K"), ("SpecDec++ head", "specdec++"), ("SpecDec++ prev head", "specdec++-prev"),
            ("cost-aware stop", "cost-aware"), ("SPRINTER", "sprinter"),
-           ("FSD + head", "fsd+head"), ("draft confidence", "draft-confidence"), ("AdaEDL", "adaedl"),
+           ("FSD + head", "fsd+head"), ("FSD + head, cost-aware", "fsd+cost-aware"), ("draft confidence", "draft-confidence"), ("AdaEDL", "adaedl"),
            ("FLy", "fly"), ("HF + head", "hf-specdec++"), ("oracle", "oracle")]
 SETTINGS = {"greedy": "greedy", "t0.7-p0.95": "T = 0.7, top-p 0.95", "t1": "T = 1"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +48,8 @@ def summary(rows: list[dict]) -> str:
                                    if s.split()[-1] in SETTINGS else 9))
     present = {r["family"] for r in rows}
     columns = [(c, f) for c, f in COLUMNS if f in present]  # a family the run did not decode gets no column
-    head = ["prompts", "setting", "target alone tok/s"] + [c for c, _ in columns] + ["head AUROC / draft confidence"]
+    head = ["prompts", "setting", "target alone tok/s"] + [c for c, _ in columns] + \
+        ["SpecDec++ head AUROC / draft confidence", "prev head AUROC / draft confidence"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for split in splits:
         mine = [r for r in rows if r["prompts"] == split]
@@ -59,7 +61,7 @@ def summary(rows: list[dict]) -> str:
             best = max(fam, key=lambda r: float(r["speedup"]), default=None)
             cells.append("-" if best is None else cell(best) + (f" ({best['method'].split()[-1]})"
                                                                  if family == "fixed-K" else ""))
-        cells.append(head_auroc(setting))
+        cells += [head_auroc(setting), head_auroc(setting, "checkpoints/specdecpp-prev")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
