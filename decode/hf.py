@@ -38,6 +38,7 @@ class HeadStop(StoppingCriteria):
 
     def __init__(self, policy: HeadPolicy, vocab: int | None = None):
         self.policy, self.captured, self.steps, self.head_s, self.vocab = policy, None, 0, 0.0, vocab
+        self.drawn: tuple[int, torch.Tensor | None] | None = None  # the last candidate and the logits that drew it
         self.rounds, self.drafted = 0, 0  # over the assistant's life: drafting rounds, candidates
 
     def reset(self) -> None:
@@ -52,23 +53,25 @@ class HeadStop(StoppingCriteria):
         t0 = time.perf_counter()
         self.steps += 1
         self.drafted += 1
-        late = self.policy.reads_own_state
-        stop = False
-        if not late or self.steps > 1:
-            stop = self.policy.stop(self.step(input_ids, scores))
-        self.head_s += time.perf_counter() - t0
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
-
-    def step(self, input_ids: torch.Tensor, scores: torch.Tensor) -> DraftStep:
-        """The candidate as the engine would hand it to the policy: the captured state (the one that produced it;
-        for an own head, the one after the previous candidate), and for a head with extras the scalars of the
-        draft's distribution that drew it (`scores`, the last step's logits)."""
         if isinstance(scores, (tuple, list)):  # some generate paths hand the criteria every step's scores
             scores = scores[-1]
         # DraftStep computes confidence, entropy and top-1 from these logits when the head reads them (extras)
-        logits = scores[0, : self.vocab].float() if self.policy.features.extras else None
+        drawn = (int(input_ids[0, -1]), scores[0, : self.vocab].float() if self.policy.features.extras else None)
+        stop = False
+        if not self.policy.reads_own_state:
+            stop = self.policy.stop(self.step(self.steps - 1, *drawn))
+        elif self.steps > 1:  # the state after reading the previous candidate: score that one, with its own q
+            stop = self.policy.stop(self.step(self.steps - 2, *self.drawn))
+        self.drawn = drawn
+        self.head_s += time.perf_counter() - t0
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    def step(self, index: int, token: int, logits: torch.Tensor | None) -> DraftStep:
+        """Candidate `index` as the engine would hand it to the policy: the captured state (the one that produced it;
+        for an own head, the one after reading it) and, for a head with extras, the logits of the draft's
+        distribution that drew it."""
         state = self.captured[0]
-        return DraftStep(self.steps - 1, int(input_ids[0, -1]), None, logits, state, state)
+        return DraftStep(index, token, None, logits, state, state)
 
 
 def sampling_of(generation_config) -> Sampling:
@@ -91,10 +94,6 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
     policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch) \
         if costs is None else CostAwareStop(head_dir, *costs, max_len=max_len,
                                             allow_sampling_mismatch=allow_sampling_mismatch)
-    if policy.features.extras and policy.reads_own_state:
-        raise ValueError(f"head {head_dir} reads extra features {policy.features.extras} at the own position; inside "
-                         "Hugging Face generate a candidate's distribution is known one step before that state: use "
-                         "a head trained with position: prev (heads/specdecpp-prev.yaml) or extras: []")
     recorded = policy.config.get("draft", {})
     vocab = len(tokenizer) if tokenizer is not None else recorded.get("vocab_size")
     policy.bind(model_identity(draft, vocab, recorded.get("path", "")))

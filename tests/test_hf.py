@@ -104,21 +104,21 @@ def test_embedded_pair_greedy_equality(tmp_path):
         assert greedy(pair.target, ids, 24, assistant_model=assistant) == greedy(pair.target, ids, 24)
 
 
-def test_a_prev_head_with_the_drafts_distribution_among_its_features_drives_generate(hf_pair, tmp_path):
-    """The extras (entropy, top-1, log q of the candidate) come from the scores the assistant drew it from."""
+@pytest.mark.parametrize("position", ["prev", "own"])
+def test_a_head_with_the_drafts_distribution_among_its_features_drives_generate(hf_pair, tmp_path, position):
+    """The extras (entropy, top-1, log q of the candidate) come from the scores the assistant drew that candidate
+    from; an own head scores a candidate one step late, with the scores kept from that step."""
     extras = ("draft_entropy", "draft_top1", "cand_logq")
-    head = export(tmp_path, hf_pair, "x", 0.0, "prev", extras=extras)
+    head = export(tmp_path, hf_pair, position, 0.0, position, extras=extras)
     assistant = specdecpp_assistant(hf_pair.draft, head, h=0.5, tokenizer=hf_pair.tokenizer)
-    seen = []
-    build = assistant.specdecpp_stop.policy.features.build
-    assistant.specdecpp_stop.policy.features.build = lambda *a: seen.append(a) or build(*a)
+    seen, stop = [], assistant.specdecpp_stop
+    policy_stop = stop.policy.stop
+    stop.policy.stop = lambda step: seen.append(step) or policy_stop(step)
     for prompt in PROMPTS[:4]:
         assert greedy(hf_pair.target, prompt, 16, assistant_model=assistant) == greedy(hf_pair.target, prompt, 16)
-    # greedy: the candidate is the argmax of the scores it was drawn from, so its probability is their top-1
-    assert seen and all(0 < float(a[2]) <= 1 and float(a[3]) == float(a[2]) for a in seen)
-    with pytest.raises(ValueError, match="position: prev"):
-        specdecpp_assistant(hf_pair.draft, export(tmp_path, hf_pair, "o", 0.0, "own", extras=extras), h=0.5,
-                            tokenizer=hf_pair.tokenizer)
+    # greedy: each candidate is the argmax of the scores it was drawn from, so its probability is their top-1
+    assert seen and all(0 < s.confidence <= 1 and s.confidence == pytest.approx(s.top1) for s in seen)
+    assert all(s.token == int(s.logits.argmax()) for s in seen)  # the scores that drew this very token
 
 
 def test_the_cost_aware_stop_drives_generate_from_the_machines_step_costs(hf_pair, tmp_path):
