@@ -130,8 +130,9 @@ def clean_config(pair: Pair, n: int) -> GenerationConfig:
     s = pair.config.sampling
     fields = dict(max_new_tokens=n, min_new_tokens=0, eos_token_id=list(pair.eos_ids), pad_token_id=pair.eos_ids[0],
                   do_sample=s.temperature > 0)
-    if s.temperature > 0:
-        fields |= dict(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
+    if s.temperature > 0:  # top_k 0, not None: generate() fills a None from the model's config (GPT-2's: 50), and
+        # the assistant's generate() from the draft's, so the draft sampled under top-k 50 beside a target without it
+        fields |= dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     else:
         fields |= dict(temperature=None, top_k=None, top_p=None)
     return GenerationConfig(**fields)

@@ -1,6 +1,7 @@
 """An exported head inside an unmodified Hugging Face generate(): greedy equality, the sampling law,
 and the one transformers behaviour the helper relies on (the assistant's generate is what drafts)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,19 @@ def test_the_cost_aware_stop_drives_generate_from_the_machines_step_costs(hf_pai
         assert greedy(hf_pair.target, prompt, 16, assistant_model=costly) == greedy(hf_pair.target, prompt, 16)
     stop = costly.specdecpp_stop
     assert 2.5 < stop.drafted / stop.rounds <= 3.0, (stop.drafted, stop.rounds)
+
+
+def test_a_head_for_top_p_sampling_drives_the_baseline_under_that_setting(hf_pair, tmp_path):
+    """The baseline's config says top-k off (0): left None, generate() filled it from the draft's config (GPT-2's
+    top-k 50), the assistant drafted under another setting than the head's, and the head was refused."""
+    from decode.hf import clean_config, hf_generate
+
+    pair = hf_pair.with_sampling(temperature=0.7, top_p=0.95)
+    pair.draft.generation_config.top_k = pair.target.generation_config.top_k = 50  # as GPT-2 checkpoints ship
+    head = export(tmp_path, pair, "t07", 0.7)
+    cfg = json.loads((Path(head) / "config.json").read_text())
+    cfg["sampling"] = {"temperature": 0.7, "top_k": 0, "top_p": 0.95}
+    (Path(head) / "config.json").write_text(json.dumps(cfg))
+    assert clean_config(pair, 8).top_k == 0
+    tokens, _ = hf_generate(pair, PROMPTS[0], 8, {"head": head, "h": 0.5}, seed=0)
+    assert len(tokens) == 8
