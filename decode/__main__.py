@@ -131,12 +131,14 @@ def bench(argv: list[str]) -> None:
     ap.add_argument("--output", default=None, help="output folder (default: the YAML's); a new one runs afresh")
     ap.add_argument("--prompt_sets", nargs="+", default=None, metavar="NAME",
                     help="run only these of the YAML's prompt sets (default: all)")
+    ap.add_argument("--settings", nargs="+", default=None, metavar="NAME",
+                    help="run only the sections of these sampling settings, e.g. greedy t0.7-p0.95 (default: all)")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     try:
         run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats, output=args.output,
-            prompt_sets=args.prompt_sets)
+            prompt_sets=args.prompt_sets, settings=args.settings)
     except UnknownPromptSet as e:
         ap.error(str(e))
 

@@ -35,6 +35,18 @@ def test_prompt_sets_option_keeps_the_named_sets_and_names_the_ones_there_are(tm
         load_config(str(path), False, None, None, ["mbpp"])
 
 
+def test_settings_option_keeps_the_sections_of_the_named_settings_and_names_the_ones_there_are():
+    """The greedy section of the shipped bench alone (what python -m decode bench --settings greedy runs)."""
+    from decode.evaluation.bench import UnknownPromptSet, load_config
+
+    cfg = load_config("configs/bench/pycode.yaml", False, None, settings=["greedy"])
+    assert [sec["sampling"] for sec in cfg["sections"]] == [{"temperature": 0.0}]
+    both = load_config("configs/bench/pycode.yaml", False, None, settings=["t1", "greedy"])["sections"]
+    assert [sec["sampling"]["temperature"] for sec in both] == [0.0, 1.0]  # the YAML's order
+    with pytest.raises(UnknownPromptSet, match="--settings t2: pycode.yaml has greedy, t0.7-p0.95, t1"):
+        load_config("configs/bench/pycode.yaml", False, None, settings=["t2"])
+
+
 def test_quick_runs_write_to_an_ignored_scratch_folder_never_the_committed_results():
     import subprocess
 

@@ -36,10 +36,11 @@ class ExportHead(Callback):
         data = trainer.datamodule
         x, target, event = data.tensors[data.val_split].tensors
         head = pl_module.head.eval()
-        prob = head.prob(x)
+        logits = head(x)  # once: the raw probabilities, Platt's fit and the calibrated ones all read it
+        prob = torch.sigmoid(logits)
         p, e = prob.numpy(), event.numpy()
-        a, b = platt(head(x), event)
-        calibrated = torch.sigmoid(a * head(x) + b)
+        a, b = platt(logits, event)
+        calibrated = torch.sigmoid(a * logits + b)
         metrics = {
             "split": data.val_split, "positions": len(e), "positive_rate": float(e.mean()),
             "auroc": float(roc_auc_score(e, p)) if 0 < e.mean() < 1 else float("nan"),

@@ -1,6 +1,7 @@
 """Every method on the same prompts, interleaved, with paired speedups, intervals and a measured cost model.
 
     python -m decode bench --config configs/bench/pycode.yaml [--quick true] [--repeats 2] [--readme true] [--prompt_sets pycode]
+    python -m decode bench --settings greedy --output runs/bench-greedy   # the greedy sections alone
 
 For each prompt set and sampling setting (a section), methods whose grid is marked `select: dev`
 are swept on the dev prompts and only the value chosen there runs on the test prompts (lossless
@@ -316,11 +317,11 @@ def head_lines(methods: list[Method]) -> list[str]:
 
 
 class UnknownPromptSet(ValueError):
-    """--prompt_sets named a set the bench YAML does not have."""
+    """--prompt_sets or --settings named a set or a sampling setting the bench YAML does not have."""
 
 
 def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None,
-                prompt_sets: list[str] | None = None) -> dict:
+                prompt_sets: list[str] | None = None, settings: list[str] | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "cost_repeats": 7, "threads": 2, "quality_tolerance": 0.05,
            "output": "runs/bench"} | yaml.safe_load(path.read_text())
@@ -333,6 +334,11 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
         if unknown := [n for n in prompt_sets if n not in names]:
             raise UnknownPromptSet(f"--prompt_sets {' '.join(unknown)}: {path.name} has {', '.join(names)}")
         cfg["prompt_sets"] = [ps for ps in cfg["prompt_sets"] if ps["name"] in prompt_sets]
+    if settings:  # e.g. the greedy sections alone: --settings greedy
+        names = [Sampling(**sec.get("sampling", {})).name for sec in cfg["sections"]]
+        if unknown := [n for n in settings if n not in names]:
+            raise UnknownPromptSet(f"--settings {' '.join(unknown)}: {path.name} has {', '.join(names)}")
+        cfg["sections"] = [sec for sec, name in zip(cfg["sections"], names) if name in settings]
     if quick:  # a smoke run: few prompts, few methods, no dev sweep, a coarse cost model
         cfg["repeats"], cfg["cost_repeats"] = 1, 3
         if output is None:  # never into the committed results: a scratch folder that git ignores
@@ -345,11 +351,12 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
 
 
 def run(config: str, quick: bool = False, readme: bool = False, repeats: int | None = None,
-        output: str | None = None, prompt_sets: list[str] | None = None) -> list[dict]:
+        output: str | None = None, prompt_sets: list[str] | None = None, settings: list[str] | None = None
+        ) -> list[dict]:
     t_start = time.perf_counter()
     if quick and readme:
         raise ValueError("--readme true with --quick true would put a smoke run's figures in README.md: drop one")
-    cfg = load_config(config, quick, repeats, output, prompt_sets)
+    cfg = load_config(config, quick, repeats, output, prompt_sets, settings)
     torch.set_num_threads(cfg["threads"])
     pair = load_pair(cfg["pair"])
     out_dir = Path(cfg["output"]) if Path(cfg["output"]).is_absolute() else ROOT / cfg["output"]
@@ -387,7 +394,8 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             md += [f"### {label}", table(rows), "\n".join(lines)]
             all_rows += rows
     command = f"--config {config}" + (" --quick true" if quick else "") + \
-        (f" --prompt_sets {' '.join(prompt_sets)}" if prompt_sets else "")
+        (f" --prompt_sets {' '.join(prompt_sets)}" if prompt_sets else "") + \
+        (f" --settings {' '.join(settings)}" if settings else "")
     write_outputs(out_dir, all_rows + dev_rows, md, dev_md, command, readme)
     print(f"bench took {(time.perf_counter() - t_start) / 60:.1f} min (a section resumed from its cache adds nothing)")
     return all_rows

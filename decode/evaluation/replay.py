@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from decode.engine import Autoregressive, Runner
+from decode.engine import Autoregressive, Runner, verify_line
 from decode.pair import Pair
 from decode.policies import DraftStep, Policy
 from decode.sampling import pick
@@ -215,8 +215,6 @@ class Priced:
 
     def line(self) -> tuple[float, float, float]:
         """The three numbers decode.engine.measure_costs measures (its verify line through 2 and 9 tokens)."""
-        from decode.engine import verify_line
-
         t = self.model.step["target"]
         return (self.model.step["draft"][0], *verify_line(t[1], t[min(8, len(t) - 1)]))
 

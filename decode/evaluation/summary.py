@@ -20,7 +20,8 @@ from pathlib import Path
 # (column, bench family): a family with several rows on test shows its fastest (fixed K: the best K in hindsight)
 COLUMNS = [("best fixed K", "fixed-K"), ("SpecDec++ head", "specdec++"), ("SpecDec++ prev head", "specdec++-prev"),
            ("cost-aware stop", "cost-aware"), ("SPRINTER", "sprinter"),
-           ("FSD + head", "fsd+head"), ("FSD + head, cost-aware", "fsd+cost-aware"), ("draft confidence", "draft-confidence"), ("AdaEDL", "adaedl"),
+           ("FSD + head", "fsd+head"), ("FSD + head, cost-aware", "fsd+cost-aware"),
+           ("draft confidence", "draft-confidence"), ("AdaEDL", "adaedl"),
            ("FLy", "fly"), ("HF + head", "hf-specdec++"), ("oracle", "oracle")]
 SETTINGS = {"greedy": "greedy", "t0.7-p0.95": "T = 0.7, top-p 0.95", "t1": "T = 1"}
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
     python -m decode replay --config configs/bench/pycode.yaml --prompt_set pycode
     python -m decode replay --config configs/bench/pycode.yaml --cost "1.20,4.99,0.21"   # runH's cost line
-    python -m decode replay --config configs/bench/greedy.yaml --check runs/bench-greedy
+    python -m decode replay --check runs/bench-greedy     # a run of: python -m decode bench --settings greedy ...
 
 Trajectories are recorded once per prompt set and split into runs/replay/ (keyed by the pair and the prompts);
 decode.evaluation.replay does the replaying.
