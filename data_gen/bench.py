@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from data_gen.generate import Mixing, Phases, RowNoise, label_batch, left_pad, prompt_generator, sample_responses
 from data_gen.prompts import PromptSet
-from decode.evaluation.costmodel import bootstrap_ci
+from decode.evaluation.intervals import bootstrap_ci
 from decode.pair import load_pair
 
 

@@ -10,11 +10,11 @@ draws come from a generator on that device, and every clock read on a GPU waits 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from decode.costs import clock, measure_costs
 from decode.kvcache import crop_cache, forward, rollback_cache
 from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
@@ -124,19 +124,6 @@ def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int) -> None
                          f"context of {limit} tokens of pair {pair.config.name}: shorten the prompt or lower max_new_tokens")
 
 
-def clock(device: torch.device):
-    """A perf_counter that, on a GPU, first waits for the work queued there: else a forward's time would land
-    in whatever step next reads a result (sampling, the rule)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def now() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
-
-
 class SpeculativeDecoder:
     """generate(prompt_ids) with a policy and a rule; each call returns its own stats."""
 
@@ -220,6 +207,7 @@ class SpeculativeDecoder:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1], True)
             self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
         committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
+        self.policy.start()
         while len(out) < max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).
             limit = max(1, min(max_new_tokens - len(out), self.pair.config.max_context - len(committed) - 2))
@@ -232,6 +220,7 @@ class SpeculativeDecoder:
             stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + len(tokens)
             stats.discarded += len(tokens) - n_acc
             stats.accepted.append(n_acc)
+            self.policy.verified(n_acc, len(tokens))
             committed += [pending] + tokens[:n_acc]
             draft.crop(len(committed))
             target.crop(len(committed))
@@ -253,43 +242,6 @@ class SpeculativeDecoder:
         stats.calls = draft.calls  # shared with the target's runner: every forward, in order
         self.runners, self.committed = (draft, target), committed  # kept for inspection (cache tests)
         return Generation(out, self.pair.tokenizer.decode(out), stats)
-
-
-_COSTS: dict[tuple[int, int], tuple[float, float, float]] = {}
-
-
-def verify_line(two_ms: float, nine_ms: float) -> tuple[float, float]:
-    """Target forwards of 2 and 9 tokens -> (target_ms, per_token_ms): the line through them, whose value at
-    n tokens is target_ms + (n - 1) * per_token_ms (CostAwareStop's round cost)."""
-    per_token = max(0.0, (nine_ms - two_ms) / 7)
-    return two_ms - per_token, per_token
-
-
-@torch.no_grad()
-def measure_costs(pair: Pair, prefix: int = 32, repeats: int = 9) -> tuple[float, float, float]:
-    """(draft step, target_ms, per_token_ms) in ms on this machine, measured once per pair of loaded models: the
-    target's verify cost as a line through forwards of 2 and 9 tokens, the sizes a round verifies (one token is
-    often a different kernel, 20-25% cheaper than the line says, and no round verifies fewer than two), so a
-    round of k candidates costs k * (draft + per_token_ms) + target_ms. Each is the fastest of `repeats`
-    cached forwards after a `prefix`-token context (a step's own cost: on a machine shared with other work the
-    median of a few timings was seen 20x off)."""
-    key = (id(pair.draft), id(pair.target))
-    if key not in _COSTS:
-        now, ids = clock(pair.device), [1 + i % max(1, pair.vocab - 1) for i in range(prefix)]
-
-        def fastest_ms(model, n: int) -> float:
-            runner = Runner(model, pair)
-            runner.feed(ids, last_only=True)
-            times = []
-            for _ in range(repeats):
-                t0 = now()
-                runner.feed(ids[:n])
-                times.append(now() - t0)
-                runner.crop(prefix)
-            return 1e3 * min(times)
-
-        _COSTS[key] = (fastest_ms(pair.draft, 1), *verify_line(fastest_ms(pair.target, 2), fastest_ms(pair.target, 9)))
-    return _COSTS[key]
 
 
 class Autoregressive:

@@ -40,8 +40,20 @@ class HeadStop(StoppingCriteria):
         self.policy, self.captured, self.steps, self.head_s, self.vocab = policy, None, 0, 0.0, vocab
         self.drawn: tuple[int, torch.Tensor | None] | None = None  # the last candidate and the logits that drew it
         self.rounds, self.drafted = 0, 0  # over the assistant's life: drafting rounds, candidates
+        self.text: torch.Tensor | None = None  # the committed text the last round drafted after
 
-    def reset(self) -> None:
+    def reset(self, input_ids: torch.Tensor | None = None) -> None:
+        """A drafting round begins after `input_ids` (1, L), the committed text: how it grew since the last round
+        tells the policy what verification accepted (L0 + accepted + 1); text that does not extend the last
+        round's is a new generation."""
+        if input_ids is not None:
+            last, k = self.text, self.steps
+            if last is None or input_ids.shape[1] <= last.shape[1] or \
+                    not torch.equal(input_ids[:, : last.shape[1]], last.to(input_ids.device)):
+                self.policy.start()
+            else:
+                self.policy.verified(min(input_ids.shape[1] - last.shape[1] - 1, k), k)
+            self.text = input_ids.detach()
         self.policy.reset()
         self.steps = 0
         self.rounds += 1
@@ -83,17 +95,23 @@ def sampling_of(generation_config) -> Sampling:
 
 
 def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20, tokenizer=None,
-                        allow_sampling_mismatch: bool = False, costs: tuple[float, float, float] | None = None):
+                        allow_sampling_mismatch: bool = False, costs: tuple | None = None):
     """A copy of `draft` for `generate(assistant_model=...)` whose drafting stops by an exported head.
 
-    costs: (draft step, target forward of one token, each further verified token) in ms, e.g.
-    decode.engine.measure_costs(pair): the cost-aware stop (decode.policies.CostAwareStop) replaces SpecDec++'s
-    threshold h. Refuses (HeadMismatch) a head trained for another draft; the sampling setting is checked at the
-    first generate call, against the one the target decodes under (SamplingMismatch).
+    costs: the machine's step costs in ms, as decode.engine.measure_costs(pair) returns them (a draft step and
+    the target's verify time per number of tokens) or as a line (draft step, target forward of one token, each
+    further verified token): the cost-aware stop (decode.policies.CostAwareStop) replaces SpecDec++'s threshold
+    h. Refuses (HeadMismatch) a head trained for another draft; the sampling setting is checked at the first
+    generate call, against the one the target decodes under (SamplingMismatch).
     """
-    policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch) \
-        if costs is None else CostAwareStop(head_dir, *costs, max_len=max_len,
-                                            allow_sampling_mismatch=allow_sampling_mismatch)
+    if costs is None:
+        policy = SpecDecPP(head_dir, h=h, max_len=max_len, allow_sampling_mismatch=allow_sampling_mismatch)
+    else:
+        line = len(costs) == 3
+        policy = CostAwareStop(head_dir, *(costs if line else ()), max_len=max_len,
+                               allow_sampling_mismatch=allow_sampling_mismatch)
+        if not line:
+            policy.set_costs(*costs)
     recorded = policy.config.get("draft", {})
     vocab = len(tokenizer) if tokenizer is not None else recorded.get("vocab_size")
     policy.bind(model_identity(draft, vocab, recorded.get("path", "")))
@@ -110,7 +128,8 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
         if not checked:  # the setting the target decodes under, known only now
             policy.bind(model_identity(draft, vocab, recorded.get("path", "")), sampling_of(kwargs["generation_config"]))
             checked.append(True)
-        stop.reset()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        stop.reset(ids if isinstance(ids, torch.Tensor) else None)
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [stop])
         handle = lm_head.register_forward_pre_hook(stop.capture)
         try:

@@ -5,6 +5,9 @@ A policy is two methods, in the spirit of transformers' CandidateGenerator:
     stop(step) -> bool after candidate i was drafted: end the round now?
 `step` is a DraftStep holding the candidate's index, its token, q (V,) and the draft's
 hidden states (H,) before and after reading it. Every policy is also capped by max_len.
+Two optional hooks tell it what verification did (a head reading the extra accepted_run needs them):
+    start()                      a new generation begins
+    verified(accepted, drafted)  the round's first `accepted` of `drafted` candidates were accepted
 """
 
 from __future__ import annotations
@@ -69,6 +72,12 @@ class Policy:
 
     def stop(self, step: DraftStep) -> bool:
         raise NotImplementedError
+
+    def start(self) -> None:
+        pass
+
+    def verified(self, accepted: int, drafted: int) -> None:
+        pass
 
 
 def check_unit(name: str, value: float, open_ends: bool = False) -> None:
@@ -136,6 +145,16 @@ class HeadPolicy(Policy):
         # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule multiplies)
         self.fast_prob = raw if cal is None else functools.partial(calibrated, raw, cal["a"], cal["b"])
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
+        self.run = 0  # accepted positions right before this round's first candidate (the extra accepted_run)
+
+    def start(self) -> None:
+        self.run = 0
+
+    def verified(self, accepted: int, drafted: int) -> None:
+        """A rejection ends the run (the corrected position's candidate was rejected); a round accepted whole
+        extends it by its candidates and the target's bonus token, whose position no candidate was drafted for
+        (counted as accepted: in an accepted stretch a candidate there would most likely have been)."""
+        self.run = 0 if accepted < drafted else self.run + drafted + 1
 
     def bind(self, draft_identity: dict, sampling: Sampling | None = None) -> None:
         check_draft(self.config, draft_identity, where=f"head {self.head_dir}")
@@ -157,8 +176,10 @@ class HeadPolicy(Policy):
     def prob(self, step: DraftStep) -> float:
         # The head runs in numpy on the CPU (its cost at batch 1 is dispatch): its inputs are taken there explicitly.
         hidden = (step.hidden_own if self.features.position == "own" else step.hidden_prev).float().cpu()
-        if self.features.extras:
-            hidden = self.features.build(hidden, *(torch.tensor(x) for x in (step.entropy, step.top1, step.confidence)))
+        if self.features.extras:  # the run before candidate i assumes candidates 0..i-1 accepted, as the rule does
+            scalars = (step.entropy, step.top1, step.confidence)
+            hidden = self.features.build(hidden, *(torch.tensor(x) for x in scalars),
+                                         accepted_run=torch.tensor(self.run + step.index))
         return self.fast_prob(hidden.numpy())
 
 
@@ -195,14 +216,16 @@ class SpecDecPP(HeadPolicy):
 
 
 class CostAwareStop(HeadPolicy):
-    """Stop when one more candidate is worth less than it costs, from the head's (calibrated) probabilities and the
+    """Stop when drafting on is worth less than it costs, from the head's (calibrated) probabilities and the
     step costs of the machine, with no tuned threshold.
 
     After candidates 1..k with acceptance probabilities a_1..a_k and survival S_k = a_1 ... a_k, the round is
-    expected to yield E_k = 1 + S_1 + ... + S_k tokens for C_k = k * draft_ms + target_ms + k * per_token_ms.
-    Candidate k + 1 would add about S_k * a_k tokens (the next acceptance is estimated by the last one) for
-    draft_ms + per_token_ms. Rounds repeat, so the rate to maximise is the long-run one, tokens over time across
-    rounds (a renewal-reward ratio): drafting goes on while the marginal rate beats it, estimated as the expected
+    expected to yield E_k = 1 + S_1 + ... + S_k tokens for C_k = k * draft_ms + verify_ms[k] (the target
+    verifying k + 1 tokens). Rounds repeat, so the rate to maximise is the long-run one, tokens over time across
+    rounds (a renewal-reward ratio r): a round should end where E_k - r * C_k is largest. Drafting goes on while
+    some j more candidates would raise it, their acceptances estimated by the last one's (a_k). With a verify
+    cost linear in the tokens, one step ahead decides; a measured verify cost is not linear (on CPUs some sizes
+    run faster than smaller ones), so the rule looks to the end of max_len. r is estimated as the expected
     tokens over the cost of the rounds so far (the current round's own rate in the first). Costs left None are
     measured once per pair by the decoder (engine.measure_costs); h, when given, replaces the rule by SpecDec++'s
     threshold.
@@ -213,27 +236,41 @@ class CostAwareStop(HeadPolicy):
     def __init__(self, head_dir: str, draft_ms: float | None = None, target_ms: float | None = None,
                  per_token_ms: float | None = None, h: float | None = None, max_len: int = 20,
                  allow_sampling_mismatch: bool = False):
+        """draft_ms, target_ms, per_token_ms: the machine's costs as a line (verifying n tokens costs target_ms +
+        (n - 1) * per_token_ms), instead of the decoder's measurement."""
         super().__init__(head_dir, allow_sampling_mismatch)
         if h is not None:
             check_unit("h", h, open_ends=True)
         costs = (draft_ms, target_ms, per_token_ms)
         if any(c is not None and c < 0 for c in costs) or (target_ms is not None and target_ms <= 0):
             raise ValueError(f"step costs must be >= 0 ms (the target's > 0), got {costs}")
-        self.costs = costs if None not in costs else None
         self.h, self.max_len = h, check_max_len(max_len)
+        self.costs: tuple[float, list[float]] | None = None
+        if None not in costs:
+            self.costs = (draft_ms, [target_ms + n * per_token_ms for n in range(self.max_len + 1)])
         self.tokens = self.spent = 0.0  # expected tokens and ms of the rounds finished so far
         self.k = 0
         self.reset()
 
-    def set_costs(self, draft_ms: float, target_ms: float, per_token_ms: float) -> None:
-        """The machine's step costs in ms, when the constructor was not given them."""
+    def set_costs(self, draft_ms: float, verify_ms: list[float]) -> None:
+        """The machine's step costs in ms (verify_ms[n - 1]: the target verifying n tokens), when the constructor
+        was not given them. A table shorter than max_len + 1 is extended along its last step."""
         if self.costs is None:
-            self.costs = (draft_ms, target_ms, per_token_ms)
+            v = [float(x) for x in verify_ms]
+            slope = max(0.0, v[-1] - v[-2]) if len(v) > 1 else 0.0
+            v += [v[-1] + slope * (i + 1) for i in range(self.max_len + 1 - len(v))]
+            self.costs = (float(draft_ms), v)
+
+    def cost(self, k: int) -> float:
+        """C_k, the round's cost with k candidates; a head reading the "own" state adds the draft pass over the
+        last candidate (SpecDecPP's docstring)."""
+        d, verify = self.costs
+        return k * d + verify[k] + (d if self.reads_own_state else 0.0)
 
     def reset(self):
         if self.k and self.costs is not None:  # a round ended: it joins the long-run rate
             self.tokens += self.expected
-            self.spent += self.round_ms(*self.costs)
+            self.spent += self.cost(self.k)
         self.survive, self.expected, self.k = 1.0, 1.0, 0
 
     def stop(self, step):
@@ -246,14 +283,15 @@ class CostAwareStop(HeadPolicy):
         if self.costs is None:
             raise ValueError("CostAwareStop has no step costs: give draft_ms, target_ms and per_token_ms, or decode "
                              "with SpeculativeDecoder, which measures them")
-        d, t, e = self.costs
-        tokens, spent = (self.tokens, self.spent) if self.spent else (self.expected, self.round_ms(d, t, e))
-        return self.survive * a * spent <= tokens * (d + e)
-
-    def round_ms(self, d: float, t: float, e: float) -> float:
-        """The cost of the current round so far; a head reading the "own" state adds the draft pass over the last
-        candidate (SpecDecPP's docstring), which a further candidate does not change."""
-        return self.k * (d + e) + t + (d if self.reads_own_state else 0.0)
+        k, gain, survive = self.k, 0.0, self.survive
+        rate = self.tokens / self.spent if self.spent else self.expected / self.cost(k)
+        now = self.cost(k)
+        for j in range(k + 1, self.max_len + 1):  # E_j - E_k - rate * (C_j - C_k) > 0 for some j: draft on
+            survive *= a
+            gain += survive
+            if gain > rate * (self.cost(j) - now):
+                return False
+        return True
 
 
 class SprinterVerifier(HeadPolicy):

@@ -6,6 +6,12 @@ position "own": the state after the draft read candidate c_i. Decoding must run 
 position "prev": the state that produced q_i (before c_i is read). The decision on c_i is free
   at the moment c_i is sampled; the head cannot see which token was drawn unless the extra
   `cand_logq` is used.
+
+The extra "accepted_run" is the number of positions right before the candidate whose candidates were accepted
+(capped at RUN_CAP, read as log1p): accepted text runs in stretches, and a stop rule multiplies the head's
+probabilities given that every earlier candidate of the round was accepted, which this extra states. Decoding
+knows it (decode.policies.HeadPolicy.verified); a label set knows it only along accepted text, so it needs
+target-prefix label sets (every sequence of kind "target", e.g. configs/data_gen/pycode-target.yaml).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-EXTRAS = ("draft_entropy", "draft_top1", "cand_logq")
+EXTRAS = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")
+RUN_CAP = 16
 
 
 @dataclass
@@ -36,10 +43,15 @@ class FeatureSpec:
         return hidden_size + len(self.extras)
 
     def build(self, hidden: torch.Tensor, draft_entropy: torch.Tensor, draft_top1: torch.Tensor,
-              q_cand: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              q_cand: torch.Tensor, dtype: torch.dtype = torch.float32,
+              accepted_run: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) hidden and (...) scalars -> (..., H + len(extras)) features in `dtype`."""
         scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
                    "cand_logq": q_cand.float().clamp_min(1e-20).log()}
+        if "accepted_run" in self.extras:
+            if accepted_run is None:
+                raise ValueError("this head reads the extra accepted_run: pass the accepted run before each candidate")
+            scalars["accepted_run"] = accepted_run.float().clamp(0, RUN_CAP).log1p()
         cols = [hidden.to(dtype)] + [scalars[e].to(dtype).unsqueeze(-1) for e in self.extras]
         return torch.cat(cols, dim=-1)
 

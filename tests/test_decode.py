@@ -14,13 +14,13 @@ ALPHA = 1e-3  # false-alarm rate of each statistical test
 
 
 def export_head(tmp_path, pair, cls=AcceptanceHead, bias=None, position="own", name="head", sampling=None,
-                label=None, **kw):
-    head = cls(pair.draft.config.hidden_size, **kw)
+                label=None, extras=(), **kw):
+    head = cls(pair.draft.config.hidden_size + len(extras), **kw)
     if bias is not None:
         with torch.no_grad():
             head.out.weight.zero_()
             head.out.bias.fill_(bias)
-    meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": []},
+    meta = {"draft": pair.identity("draft"), "features": {"position": position, "extras": list(extras)},
             "sampling": vars(sampling or pair.config.sampling)} | ({"label": {"family": label}} if label else {})
     return str(save_pretrained(head, tmp_path / name, meta))
 

@@ -153,3 +153,35 @@ def test_a_head_for_top_p_sampling_drives_the_baseline_under_that_setting(hf_pai
     finally:
         pair.draft.generation_config.top_k, pair.target.generation_config.top_k = shipped
     assert 1 <= len(tokens) <= 8  # a sampled EOS may end it early
+
+
+def test_the_assistant_tells_the_head_what_each_round_accepted(hf_pair, tmp_path):
+    """transformers reports no acceptances to an assistant; it learns them from how the text it is asked to continue
+    grew (accepted + 1 tokens a round), and a text that does not extend the last one starts a generation. A prev
+    head decides as in our engine, so the rounds it is told of are the engine's, but the last."""
+    from decode.engine import SpeculativeDecoder
+    from decode.policies import SpecDecPP
+    from decode.rules import SpeculativeSampling
+
+    extras = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")
+    head = export(tmp_path, hf_pair, "run", 0.0, "prev", extras=extras)
+    assistant = specdecpp_assistant(hf_pair.draft, head, h=0.5, tokenizer=hf_pair.tokenizer)
+    policy, told = assistant.specdecpp_stop.policy, []
+    start, verified = policy.start, policy.verified
+    policy.start = lambda: told.append("start") or start()
+    policy.verified = lambda a, k: told.append((a, k)) or verified(a, k)
+    ours, rounds = SpecDecPP(head, h=0.5), []
+    ours_verified = ours.verified
+    ours.verified = lambda a, k: rounds.append((a, k)) or ours_verified(a, k)
+    engine = SpeculativeDecoder(hf_pair.with_sampling(temperature=0.0), ours, SpeculativeSampling())
+    compared = 0
+    for prompt in PROMPTS:
+        told.clear(), rounds.clear()
+        x = torch.tensor([prompt])
+        hf_pair.target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=16,
+                                pad_token_id=0, eos_token_id=list(hf_pair.eos_ids), assistant_model=assistant)
+        engine.generate(prompt, 16)  # both stop at the pair's EOS
+        assert told[0] == "start" and "start" not in told[1:]
+        assert told[1:] == rounds[:-1], (prompt, told, rounds)
+        compared += len(rounds) - 1
+    assert compared >= 8

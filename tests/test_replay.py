@@ -85,12 +85,73 @@ def test_an_own_state_head_prices_its_extra_draft_pass_into_the_round(greedy, tm
     assert [policy.stop(s) for s in steps[:4]] == [False, False, False, True]
 
 
-def test_the_verify_line_runs_through_the_sizes_rounds_verify():
-    from decode.engine import verify_line
+def test_a_measured_verify_table_draws_the_stop_to_a_size_that_runs_faster(greedy, tmp_path):
+    """The same 0.8 head and costs as a table: as a line it stops at k = 3 (above). When verifying 5 tokens costs
+    less than 4 (CPU kernels do that), the fourth candidate costs only its draft step minus the saving, and the
+    rule, which looks past the next candidate, drafts it; verifying 6 costs the line again, so it stops there."""
+    import math
 
-    target_ms, per_token = verify_line(10.0, 13.5)  # forwards of 2 and 9 tokens
-    assert (target_ms + per_token, target_ms + 8 * per_token) == pytest.approx((10.0, 13.5))
-    assert verify_line(10.0, 9.0) == (10.0, 0.0)  # noise that makes 9 tokens look cheaper: flat, never negative
+    head = export_head(tmp_path, greedy, bias=math.log(0.8 / 0.2), position="prev", name="sure-table")
+    line = [4.99 + 0.21 * n for n in range(21)]  # verifying n + 1 tokens
+    steps = [replay_step(i) for i in range(6)]
+    for table, want in [(line, [False, False, True]), (line[:4] + [line[1]] + line[5:], [False, False, False, True])]:
+        policy = CostAwareStop(head)
+        policy.set_costs(1.2, table)
+        policy.reset()
+        assert [policy.stop(s) for s in steps[: len(want)]] == want
+    short = CostAwareStop(head, max_len=8)
+    short.set_costs(1.2, line[:3])  # a table shorter than max_len + 1 goes on along its last step
+    assert short.costs[1] == pytest.approx(line[:9])
+
+
+def test_engine_and_replay_report_every_rounds_acceptance_to_the_policy(greedy):
+    """What a head reading accepted_run learns of verification: the same (accepted, drafted) per round, after a
+    start() per generation, from the engine and from replay."""
+
+    class Spy(FixedK):
+        def start(self):
+            self.seen.append("start")
+
+        def verified(self, accepted, drafted):
+            self.seen.append((accepted, drafted))
+
+    for prompt in PROMPTS[:6]:
+        live, replayed = Spy(4), Spy(4)
+        live.seen, replayed.seen = [], []
+        out = SpeculativeDecoder(greedy, live, SpeculativeSampling()).generate(prompt, 24)
+        replay(record(greedy, prompt, 24), replayed, greedy.config.max_context)
+        assert live.seen == replayed.seen and live.seen[0] == "start" and len(live.seen) == out.stats.rounds + 1
+        assert [a for a, _ in live.seen[1:]] == out.stats.accepted
+
+
+def test_a_head_reads_the_accepted_run_before_each_candidate(greedy, tmp_path):
+    """A rejection ends the run; a round accepted whole extends it by its candidates and the bonus token; within a
+    round candidate i reads the run as if candidates 0..i-1 were accepted, capped and read as log1p."""
+    import math
+
+    import torch
+
+    from heads.features import RUN_CAP
+
+    head = export_head(tmp_path, greedy, position="prev", name="runs", extras=["accepted_run"])
+    policy = SpecDecPP(head, h=0.5)
+    seen = []
+    policy.fast_prob = lambda x: seen.append(float(x[-1])) or 0.9
+    policy.start()
+    policy.verified(3, 3)  # all accepted: 3 candidates and the bonus token
+    assert policy.run == 4
+    policy.reset()
+    policy.stop(replay_step(0)), policy.stop(replay_step(2))
+    assert seen == pytest.approx([math.log1p(4), math.log1p(6)])
+    policy.verified(1, 3)
+    assert policy.run == 0
+    policy.run = 40
+    policy.stop(replay_step(0))
+    assert seen[-1] == pytest.approx(math.log1p(RUN_CAP))
+    policy.start()
+    assert policy.run == 0
+    with pytest.raises(ValueError, match="accepted_run"):
+        policy.features.build(torch.zeros(32), *torch.zeros(3))
 
 
 def replay_step(i: int):

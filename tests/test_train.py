@@ -28,6 +28,26 @@ def tiny_labels(tiny_pair_yaml, tmp_path_factory):
     return write_tiny_labels(tmp_path_factory.mktemp("labels"), tiny_pair_yaml)
 
 
+@pytest.fixture(scope="module")
+def tiny_target_labels(tiny_pair_yaml, tmp_path_factory):
+    """Target prefixes only, what the extra accepted_run needs."""
+    from tests.tiny import write_tiny_labels
+
+    return write_tiny_labels(tmp_path_factory.mktemp("target-labels"), tiny_pair_yaml, kinds=("target",))
+
+
+def test_the_accepted_run_counts_the_accepted_positions_before_each_and_needs_target_prefixes():
+    from train.data import accepted_runs
+
+    g = torch.Generator().manual_seed(0)
+    row = {"id": "a", "kind": "target", "alpha": [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0]}
+    assert accepted_runs(row, g).tolist() == [0, 1, 2, 0, 1, 2, 3]
+    sampled = accepted_runs({**row, "alpha": [0.5] * 4000}, g)  # under sampling alpha is a probability: drawn
+    assert 0.9 < sampled.float().mean() < 1.1  # a geometric run with p = 0.5 has mean 1
+    with pytest.raises(ValueError, match="target prefixes.*pycode-target.yaml"):
+        accepted_runs({**row, "kind": "mixed"}, g)
+
+
 def test_depth3_head_has_three_independent_blocks():
     head = AcceptanceHead(in_dim=8, depth=3)
     assert len(head.blocks) == 2 and head.out is not None  # two residual blocks + output layer
@@ -100,8 +120,11 @@ def test_every_recipe_parses_through_the_cli(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tmp_path):
+def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tiny_target_labels, tmp_path):
     from train.cli import cli
+
+    if "accepted_run" in yaml.safe_load(recipe.read_text())["data"]["features"]["extras"]:
+        tiny_labels = tiny_target_labels
 
     def edit(cfg):
         cfg["data"]["labels"] = str(yaml.safe_load(tiny_labels.read_text())["data"]["output"])

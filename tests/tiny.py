@@ -54,8 +54,10 @@ def write_tiny_pair(root: Path, seed: int = 0, draft_alphabet: list[str] = ALPHA
     return path
 
 
-def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int = 24, max_new: int = 16) -> Path:
-    """A label set of the tiny pair (splits train and dev) and the data_gen config that names it."""
+def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int = 24, max_new: int = 16,
+                      kinds: tuple[str, ...] = ("mixed", "draft", "target", "prompt")) -> Path:
+    """A label set of the tiny pair (splits train and dev, sequences of `kinds` in turn) and the data_gen config
+    that names it."""
     from data_gen.generate import Mixing, label_batch
     from data_gen.store import claim_output, write_shard
     from decode.pair import load_pair
@@ -67,8 +69,8 @@ def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int
                        "mixing": {"r": 0.15}, "max_new_tokens": max_new})
     for split, n in (("train", n_train), ("dev", n_dev)):
         prompts = [[1 + (i * 5 + j) % 22 for j in range(2 + i % 6)] for i in range(n)]
-        kinds = ["mixed", "draft", "target", "prompt"] * (n // 4)
-        recs, feats = label_batch(pair, prompts, [f"{split}{i}" for i in range(n)], kinds, Mixing(), 0, max_new)
+        kinds_ = [kinds[i % len(kinds)] for i in range(n)]
+        recs, feats = label_batch(pair, prompts, [f"{split}{i}" for i in range(n)], kinds_, Mixing(), 0, max_new)
         write_shard(out, split, recs, feats, rank=0)
     cfg = root / "data_gen.yaml"
     cfg.write_text(yaml.safe_dump({"data": {"pair": str(pair_yaml), "output": str(out.parent), "max_new_tokens": max_new}}))

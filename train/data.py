@@ -54,6 +54,7 @@ def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torc
     the loss is defined on; "prev" features exist at every position.
     """
     xs, cols = [], {c: [] for c in COLUMNS}
+    gen = torch.Generator().manual_seed(0)  # the acceptances behind accepted_run under sampling (alpha is a probability)
     for r in ds:
         h = feats[r["id"]]
         # Kept in the stored half dtype (the head casts each batch): float32 would double the largest tensor of
@@ -63,10 +64,27 @@ def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torc
             torch.ones(len(r["z"]), dtype=torch.bool)
         hid = h[1:] if spec.position == "own" else h[:-1]
         c = {k: torch.tensor(r[k], dtype=torch.float32)[keep] for k in COLUMNS}
-        xs.append(spec.build(hid[keep], c["draft_entropy"], c["draft_top1"], c["q_cand"], dtype))
+        run = accepted_runs(r, gen)[keep] if "accepted_run" in spec.extras else None
+        xs.append(spec.build(hid[keep], c["draft_entropy"], c["draft_top1"], c["q_cand"], dtype, run))
         for k in COLUMNS:
             cols[k].append(c[k])
     return torch.cat(xs), {k: torch.cat(v) for k, v in cols.items()}
+
+
+def accepted_runs(r: dict, gen: torch.Generator) -> torch.Tensor:
+    """One sequence -> (n,) how many positions right before each were accepted: candidate i is accepted with
+    probability alpha_i (drawn once, as decoding draws it; 0 or 1 under greedy). Only along text that decoding
+    would have accepted, so only for sequences of kind "target"."""
+    if r["kind"] != "target":
+        raise ValueError(f"the extra accepted_run needs a label set of target prefixes, but sequence {r['id']} is of "
+                         f"kind {r['kind']!r}: label with configs/data_gen/pycode-target.yaml (mixing shares "
+                         "{target: 1.0}) or drop the extra")
+    accepted = torch.rand(len(r["alpha"]), generator=gen) < torch.tensor(r["alpha"])
+    run, out = 0, []
+    for a in accepted.tolist():
+        out.append(run)
+        run = run + 1 if a else 0
+    return torch.tensor(out)
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -28,9 +28,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from decode.costs import CostModel
 from decode.engine import Autoregressive, Decoder, Stats
-from decode.evaluation.costmodel import CostModel, bootstrap_ci
 from decode.evaluation.goals import goal_lines
+from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.quality import quality
 from decode.evaluation.report import pareto_plot, quality_plot, slug, table, write_readme
 from decode.hf import head_assistant, hf_generate

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decode.evaluation.costmodel import bootstrap_ci
+from decode.evaluation.intervals import bootstrap_ci
 
 
 def _best(rows: list[dict], family: str) -> dict | None:

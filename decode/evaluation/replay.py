@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from decode.engine import Autoregressive, Runner, verify_line
+from decode.engine import Autoregressive, Runner
 from decode.pair import Pair
 from decode.policies import DraftStep, Policy
 from decode.sampling import pick
@@ -97,6 +97,7 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
     T, y, out = len(traj.prompt), traj.response, 0
     calls = [("draft", T - 1), ("target", T - 1)] if T > 1 else []
     committed, draft_len = T - 1, T - 1
+    policy.start()
     while out < len(y):
         limit = max(1, min(traj.max_new - out, max_context - committed - 2))
         run = traj.runs[out]
@@ -121,6 +122,7 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
         calls.append(("target", k + 1))
         drafted = run.tokens[:k]
         n_acc = next((j for j, t in enumerate(drafted) if out + j >= len(y) or t != y[out + j]), k)
+        policy.verified(n_acc, k)
         committed += 1 + n_acc
         draft_len = min(draft_len, committed)
         out += n_acc + 1
@@ -156,8 +158,9 @@ class CostLine:
     def predict_s(self, calls: list[tuple[str, int]]) -> float:
         return 1e-3 * sum(self.call_ms(m, n) for m, n in calls)
 
-    def line(self) -> tuple[float, float, float]:
-        return self.draft_ms, self.target_ms, self.per_token_ms
+    def costs(self, n_max: int = 21) -> tuple[float, list[float]]:
+        """What CostAwareStop prices with: a draft step and the target verifying 1..n_max tokens."""
+        return self.draft_ms, [self.call_ms("target", n) for n in range(1, n_max + 1)]
 
     def describe(self) -> str:
         return f"draft step {self.draft_ms:g} ms, target {self.target_ms:g} ms + {self.per_token_ms:g} ms per extra token"
@@ -198,14 +201,14 @@ def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[st
         for value, make in values:
             policy = make()
             if policy.needs_costs:
-                policy.set_costs(*cost.line())
+                policy.set_costs(*cost.costs())
             rows.append((value, *speedup(trajs, policy, cost, max_context)))
         out[family] = rows
     return out
 
 
 class Priced:
-    """A measured decode.evaluation.costmodel.CostModel with the CostLine interface (predict_s, line, describe)."""
+    """A measured decode.costs.CostModel with the CostLine interface (predict_s, costs, describe)."""
 
     def __init__(self, model):
         self.model = model
@@ -213,10 +216,10 @@ class Priced:
     def predict_s(self, calls):
         return self.model.predict_s(calls)
 
-    def line(self) -> tuple[float, float, float]:
-        """The three numbers decode.engine.measure_costs measures (its verify line through 2 and 9 tokens)."""
-        t = self.model.step["target"]
-        return (self.model.step["draft"][0], *verify_line(t[1], t[min(8, len(t) - 1)]))
+    def costs(self) -> tuple[float, list[float]]:
+        """What decode.engine.measure_costs measures: a draft step after another, and the target verifying n
+        tokens after a draft step."""
+        return self.model.step["draft"][0], self.model.switched.get("target", self.model.step["target"])
 
     def describe(self) -> str:
         return self.model.describe()

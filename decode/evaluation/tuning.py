@@ -41,8 +41,8 @@ def recorded(pair: Pair, bench_cfg: dict, ps: dict, split: str, kmax: int, folde
 
 
 def main(argv: list[str] | None = None) -> None:
+    from decode.costs import CostModel
     from decode.evaluation.bench import load_config
-    from decode.evaluation.costmodel import CostModel
     from decode.pair import load_pair
 
     ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
@@ -88,8 +88,8 @@ def check(cfg: dict, run: Path) -> None:
     """For every greedy section of a bench run: replay its rows that our engine decoded with a lossless rule, on the
     section's prompts, priced by the section's own cost model, and print replay's speedup beside the bench's
     cost-model speedup (both: the target alone's predicted time over the method's, summed over prompts)."""
+    from decode.costs import CostModel
     from decode.evaluation.bench import build, expand, replayable
-    from decode.evaluation.costmodel import CostModel
     from decode.pair import Sampling, load_pair
 
     pair = load_pair(cfg["pair"]).with_sampling(temperature=0.0)
@@ -112,7 +112,7 @@ def check(cfg: dict, run: Path) -> None:
                 continue
             policy = build(m.policy)
             if policy.needs_costs:
-                policy.set_costs(*cost.line())
+                policy.set_costs(*cost.costs())
             ours = alone / sum(cost.predict_s(replay(t, policy, pair.config.max_context)[0]) for t in trajs)
             bench = r["cost_model_tokens_per_s"] / target["cost_model_tokens_per_s"]
             worst = max(worst, abs(ours / bench - 1))

@@ -1,4 +1,4 @@
-"""A measured cost model of the pair, and bootstrap intervals for paired speedups.
+"""A measured cost model of the pair: what the bench prices call logs with, and what CostAwareStop reads.
 
 The cost model times each model's step the way decoding runs it, at the start of a bench section and again
 after each quarter of its prompts (the mean is used, so drift during the section falls on it as on the runs):
@@ -19,17 +19,30 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from decode.engine import clock
 from decode.kvcache import crop_cache, forward, rollback_cache
-from decode.pair import input_device
+from decode.pair import Pair, input_device
 from decode.sampling import argmax, pick, sample, transform
 
 MODELS = ("draft", "target")
+
+
+def clock(device: torch.device):
+    """A perf_counter that, on a GPU, first waits for the work queued there: else a forward's time would land
+    in whatever step next reads a result (sampling, the rule)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
 
 
 def _grid(n_max: int) -> list[int]:
@@ -157,15 +170,19 @@ class CostModel:
                 f"ratio {t[0] / d[0]:.1f}x")
 
 
-def bootstrap_ci(ratios: np.ndarray, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """(P, R) per-prompt, per-repeat ratios -> interval of their mean, resampling prompts then repeats."""
-    ratios = np.atleast_2d(np.asarray(ratios, dtype=float))
-    if ratios.shape[0] == 1 and ratios.shape[1] > 1:
-        ratios = ratios.T
-    rng = np.random.default_rng(seed)
-    p, r = ratios.shape
-    rows = rng.integers(0, p, size=(n_boot, p))
-    cols = rng.integers(0, r, size=(n_boot, p, r))
-    means = ratios[rows[..., None], cols].mean(axis=(1, 2))
-    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+_COSTS: dict[tuple[int, int, int], tuple[float, list[float]]] = {}
+
+
+@torch.no_grad()
+def measure_costs(pair: Pair, prefix: int = 32, n_max: int = 21, repeats: int = 5) -> tuple[float, list[float]]:
+    """(draft step, verify_ms) in ms on this machine, measured once per pair of loaded models, the way the bench's
+    cost model times steps (CostModel: a cached forward plus the sampling work, medians over
+    shuffled repeats): a draft step after another, and verify_ms[n - 1], the target verifying n tokens right after
+    a draft step, for n up to n_max. The whole table, not a line: on CPUs some sizes run faster than smaller
+    ones, and CostAwareStop looks for them."""
+    key = (id(pair.draft), id(pair.target), n_max)
+    if key not in _COSTS:
+        ids = [1 + i % max(1, pair.vocab - 1) for i in range(prefix)]
+        model = CostModel.measure(pair, [ids], n_max=n_max, repeats=repeats, draft_n_max=1)
+        _COSTS[key] = (model.step["draft"][0], model.switched["target"])
+    return _COSTS[key]
