@@ -227,7 +227,7 @@ class CostAwareStop(HeadPolicy):
     cost linear in the tokens, one step ahead decides; a measured verify cost is not linear (on CPUs some sizes
     run faster than smaller ones), so the rule looks to the end of max_len. r is estimated as the expected
     tokens over the cost of the rounds so far (the current round's own rate in the first). Costs left None are
-    measured once per pair by the decoder (engine.measure_costs); h, when given, replaces the rule by SpecDec++'s
+    measured once per pair by the decoder (decode.costs.measure_costs); h, when given, replaces the rule by SpecDec++'s
     threshold.
     """
 

@@ -161,3 +161,29 @@ def replay_step(i: int):
 
     run = FreeRun([1] * 8, [0.9] * 8, [0.1] * 8, [0.9] * 8, torch.zeros(9, 32))
     return RecordedStep(run, i)
+
+
+def test_sampled_replay_estimates_the_engines_acceptance(tiny_pair):
+    """Under sampling, replay draws candidates from q and accepts each with min(1, p/q) as the engine does, but
+    continues along a response of the target's law rather than the text the round produced: an estimate. Over
+    prompts and seeds its accepted candidates per round meet the engine's within sampling noise."""
+    import statistics
+
+    from decode.evaluation.replay import record_sampled
+
+    pair = tiny_pair.with_sampling(temperature=1.0)
+    for k in (2, 5):
+        engine, replayed = [], []
+        for seed in range(6):
+            for prompt in PROMPTS[:6]:
+                out = SpeculativeDecoder(pair, FixedK(k), SpeculativeSampling(), seed=seed).generate(prompt, 24)
+                engine += out.stats.accepted
+                spy = FixedK(k)
+                spy.verified = lambda a, d, log=replayed: log.append(a)
+                traj = record_sampled(pair, prompt, 24, kmax=k, hidden=False, seed=seed)
+                assert all(0 <= a <= 1 for r in traj.runs for a in r.accept)
+                replay(traj, spy, pair.config.max_context)
+        e, r = statistics.fmean(engine), statistics.fmean(replayed)
+        se = (statistics.pvariance(engine) / len(engine) + statistics.pvariance(replayed) / len(replayed)) ** 0.5
+        assert abs(e - r) < 4 * se + 0.05, (k, e, r, se)
+        assert 0.1 < e < k - 0.2  # acceptance neither nil nor certain: the comparison means something

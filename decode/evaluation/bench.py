@@ -204,25 +204,27 @@ def choose(methods: list[Method], dev_rows: list[dict], tolerance: float) -> lis
     return sorted(kept, key=methods.index)
 
 
-def replayable(m: Method, setting: Sampling) -> bool:
-    """Can decode.evaluation.replay price this method exactly? Greedy, our engine, a lossless rule."""
-    return setting.temperature == 0 and m.kind == "spec" and m.lossless
+def replayable(m: Method, setting: Sampling, estimate: bool = False) -> bool:
+    """Can decode.evaluation.replay price this method? Our engine and a lossless rule: exactly under greedy, as an
+    estimate (estimate=True) under sampling."""
+    return (setting.temperature == 0 or estimate) and m.kind == "spec" and m.lossless
 
 
 def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]], cfg: dict
                      ) -> tuple[list[Method], list[str]]:
     """Each replayable `select: dev` grid keeps the value with the best replayed speedup on the dev prompts, priced by
-    a cost model measured now; every other method is kept (its grid, if any, still decodes dev)."""
-    from decode.evaluation.replay import Priced, record, speedup
+    a cost model measured now (under sampling replay's estimate: decode.evaluation.replay); every other method is
+    kept (its grid, if any, still decodes dev)."""
+    from decode.evaluation.replay import Priced, recorder, speedup
 
     grids: dict[str, list[Method]] = {}
     for m in methods:
-        if m.select == "dev" and replayable(m, pair.config.sampling):
+        if m.select == "dev" and replayable(m, pair.config.sampling, estimate=True):
             grids.setdefault(m.family, []).append(m)
     if not grids:
         return methods, []
     n = cfg["max_new_tokens"]
-    trajs = [record(pair, p, n) for p in prompts]
+    trajs = [recorder(pair)(pair, p, n) for p in prompts]
     cost = Priced(CostModel.measure(pair, prompts, 24, cfg["cost_repeats"], growth=n))
     chosen, lines = {}, []
     for family, group in grids.items():

@@ -1,4 +1,4 @@
-"""Replay greedy speculative decoding on recorded trajectories against a cost model: exact, in seconds.
+"""Replay speculative decoding on recorded trajectories against a cost model: exact under greedy, in seconds.
 
     traj = record(pair, prompt_ids, max_new=64)                       # once per prompt
     calls, n = replay(traj, SpecDecPP("checkpoints/specdecpp-prev-greedy", h=0.5), max_context)
@@ -10,12 +10,20 @@ policy, and accepts its leading tokens that equal y. So one recording per prompt
 the draft's free run with what a policy reads: its tokens, confidence, entropy, top-1 and hidden states)
 lets any drafting policy be replayed exactly, rejected candidates included. Each replay writes the call log
 the engine would (model, tokens fed, in order) and the cost model prices it, as the bench prices a row.
+
+Under sampling (record_sampled) it is an estimate: the response is drawn from the target, every free run draws its
+candidates from q and records each one's acceptance probability min(1, p/q) and the uniform that decides it, so
+every policy meets the same draws. What it cannot replay exactly is the text after a round: decoding continues
+after the accepted candidates and a corrected token, the replay after the same number of tokens of the response,
+text of the same law (the target's) but not the same text.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import statistics
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +31,10 @@ from pathlib import Path
 import torch
 
 from decode.engine import Autoregressive, Runner
+from decode.labels import accept_prob
 from decode.pair import Pair
 from decode.policies import DraftStep, Policy
-from decode.sampling import pick
+from decode.sampling import pick, transform
 
 
 @dataclass
@@ -37,6 +46,12 @@ class FreeRun:
     entropy: list[float]
     top1: list[float]
     states: torch.Tensor | None  # (k + 1, H): state j produced token j; state j + 1 is the one after reading it
+    accept: list[float] | None = None  # under sampling: min(1, p/q) of each token, given the run before it
+    uniform: list[float] | None = None  # under sampling: token j is accepted when uniform[j] < accept[j]
+
+    def accepted(self, j: int, target_token: int) -> bool:
+        """Would verification accept token j, the response having target_token there? (Greedy: equal tokens.)"""
+        return self.tokens[j] == target_token if self.accept is None else self.uniform[j] < self.accept[j]
 
 
 @dataclass
@@ -87,6 +102,52 @@ def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: 
     return Trajectory(list(prompt), response, runs, max_new)
 
 
+@torch.no_grad()
+def record_sampled(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: bool = True,
+                   seed: int = 0) -> Trajectory:
+    """Prompt ids -> its trajectory under the pair's sampling setting (module docstring: an estimate): a response
+    drawn from the target and, after every prefix of it, the draft's run of kmax candidates drawn from q, with each
+    one's acceptance probability under the target and a uniform."""
+    s = pair.config.sampling
+    # a seed per prompt: with one seed for all, every response starts from the same uniform, and one that lands in
+    # the EOS token's mass (6% of it at the first step here) ended every response at once
+    seed = seed * 1_000_003 + zlib.crc32(json.dumps(prompt).encode())
+    response = Autoregressive(pair, seed=seed).generate(prompt, max_new).tokens
+    gen, coins = torch.Generator(device=pair.device).manual_seed(seed + 1), torch.Generator().manual_seed(seed + 2)
+    draft, target = Runner(pair.draft, pair, hidden=hidden, name="draft"), Runner(pair.target, pair)
+    if len(prompt) > 1:
+        draft.feed(prompt[:-1], last_only=True)
+        target.feed(prompt[:-1], last_only=True)
+    seq, runs = list(prompt), []
+    for i in range(len(response)):
+        draft.crop(len(seq) - 1)
+        target.crop(len(seq) - 1)
+        logits, h = draft.feed([seq[-1]])
+        run, q_tok = FreeRun([], [], [], [], None), []
+        states = [h[-1]] if hidden else []
+        for j in range(min(kmax, max_new - i)):
+            tok, q = pick(logits[-1], s, gen)
+            step = DraftStep(j, tok, q, logits[-1], None, None)
+            run.tokens.append(tok), run.confidence.append(step.confidence), run.top1.append(step.top1)
+            run.entropy.append(step.entropy), q_tok.append(q[tok])
+            logits, h = draft.feed([tok])
+            if hidden:
+                states.append(h[-1])
+        p = transform(target.feed([seq[-1]] + run.tokens)[0], s)  # row j: the target's law at token j
+        rows = torch.arange(len(run.tokens), device=p.device)
+        run.accept = accept_prob(p[rows, run.tokens], torch.stack(q_tok).to(p.device)).float().tolist()
+        run.uniform = torch.rand(len(run.tokens), generator=coins).tolist()
+        run.states = torch.stack(states).float().cpu() if hidden else None
+        runs.append(run)
+        seq.append(response[i])
+    return Trajectory(list(prompt), response, runs, max_new)
+
+
+def recorder(pair: Pair):
+    """record or record_sampled, by the pair's sampling setting."""
+    return record if pair.config.sampling.temperature == 0 else record_sampled
+
+
 def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tuple[str, int]], int]:
     """A policy's rounds over one trajectory -> the engine's call log and the number of new tokens.
 
@@ -120,8 +181,7 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
                 calls.append(("draft", 1))
                 draft_len += 1
         calls.append(("target", k + 1))
-        drafted = run.tokens[:k]
-        n_acc = next((j for j, t in enumerate(drafted) if out + j >= len(y) or t != y[out + j]), k)
+        n_acc = next((j for j in range(k) if out + j >= len(y) or not run.accepted(j, y[out + j])), k)
         policy.verified(n_acc, k)
         committed += 1 + n_acc
         draft_len = min(draft_len, committed)
@@ -217,7 +277,7 @@ class Priced:
         return self.model.predict_s(calls)
 
     def costs(self) -> tuple[float, list[float]]:
-        """What decode.engine.measure_costs measures: a draft step after another, and the target verifying n
+        """What decode.costs.measure_costs measures: a draft step after another, and the target verifying n
         tokens after a draft step."""
         return self.model.step["draft"][0], self.model.switched.get("target", self.model.step["target"])
 
