@@ -169,8 +169,6 @@ def test_sampled_replay_estimates_the_engines_acceptance(tiny_pair):
     prompts and seeds its accepted candidates per round meet the engine's within sampling noise."""
     import statistics
 
-    from decode.evaluation.replay import record_sampled
-
     pair = tiny_pair.with_sampling(temperature=1.0)
     for k in (2, 5):
         engine, replayed = [], []
@@ -180,7 +178,7 @@ def test_sampled_replay_estimates_the_engines_acceptance(tiny_pair):
                 engine += out.stats.accepted
                 spy = FixedK(k)
                 spy.verified = lambda a, d, log=replayed: log.append(a)
-                traj = record_sampled(pair, prompt, 24, kmax=k, hidden=False, seed=seed)
+                traj = record(pair, prompt, 24, kmax=k, hidden=False, seed=seed)
                 assert all(0 <= a <= 1 for r in traj.runs for a in r.accept)
                 replay(traj, spy, pair.config.max_context)
         e, r = statistics.fmean(engine), statistics.fmean(replayed)

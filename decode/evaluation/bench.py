@@ -215,7 +215,7 @@ def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]]
     """Each replayable `select: dev` grid keeps the value with the best replayed speedup on the dev prompts, priced by
     a cost model measured now (under sampling replay's estimate: decode.evaluation.replay); every other method is
     kept (its grid, if any, still decodes dev)."""
-    from decode.evaluation.replay import Priced, recorder, speedup
+    from decode.evaluation.replay import Priced, record, speedup
 
     grids: dict[str, list[Method]] = {}
     for m in methods:
@@ -224,7 +224,7 @@ def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]]
     if not grids:
         return methods, []
     n = cfg["max_new_tokens"]
-    trajs = [recorder(pair)(pair, p, n) for p in prompts]
+    trajs = [record(pair, p, n) for p in prompts]
     cost = Priced(CostModel.measure(pair, prompts, 24, cfg["cost_repeats"], growth=n))
     chosen, lines = {}, []
     for family, group in grids.items():

@@ -11,7 +11,7 @@ the draft's free run with what a policy reads: its tokens, confidence, entropy, 
 lets any drafting policy be replayed exactly, rejected candidates included. Each replay writes the call log
 the engine would (model, tokens fed, in order) and the cost model prices it, as the bench prices a row.
 
-Under sampling (record_sampled) it is an estimate: the response is drawn from the target, every free run draws its
+Under sampling it is an estimate: the response is drawn from the target, every free run draws its
 candidates from q and records each one's acceptance probability min(1, p/q) and the uniform that decides it, so
 every policy meets the same draws. What it cannot replay exactly is the text after a round: decoding continues
 after the accepted candidates and a corrected token, the replay after the same number of tokens of the response,
@@ -75,40 +75,15 @@ class RecordedStep(DraftStep):
 
 
 @torch.no_grad()
-def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: bool = True) -> Trajectory:
-    """Prompt ids -> its trajectory under the pair's greedy decoding (the draft reads as the engine's does)."""
-    greedy = pair.with_sampling(temperature=0.0)
-    response = Autoregressive(greedy).generate(prompt, max_new).tokens
-    draft = Runner(pair.draft, greedy, hidden=hidden, name="draft")
-    if len(prompt) > 1:
-        draft.feed(prompt[:-1], last_only=True)
-    seq, runs = list(prompt), []
-    for i in range(len(response)):
-        draft.crop(len(seq) - 1)
-        logits, h = draft.feed([seq[-1]])  # the pending token, as a round after a rejection feeds it
-        run = FreeRun([], [], [], [], None)
-        states = [h[-1]] if hidden else []
-        for j in range(min(kmax, max_new - i)):
-            tok, _ = pick(logits[-1], greedy.config.sampling)  # the token and the scalars exactly as the engine's
-            step = DraftStep(j, tok, None, logits[-1], None, None)
-            run.tokens.append(tok), run.confidence.append(step.confidence), run.top1.append(step.top1)
-            run.entropy.append(step.entropy)
-            logits, h = draft.feed([tok])
-            if hidden:
-                states.append(h[-1])
-        run.states = torch.stack(states).float().cpu() if hidden else None
-        runs.append(run)
-        seq.append(response[i])
-    return Trajectory(list(prompt), response, runs, max_new)
+def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: bool = True,
+           seed: int = 0) -> Trajectory:
+    """Prompt ids -> its trajectory under the pair's sampling setting (the draft reads as the engine's does).
 
-
-@torch.no_grad()
-def record_sampled(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: bool = True,
-                   seed: int = 0) -> Trajectory:
-    """Prompt ids -> its trajectory under the pair's sampling setting (module docstring: an estimate): a response
-    drawn from the target and, after every prefix of it, the draft's run of kmax candidates drawn from q, with each
-    one's acceptance probability under the target and a uniform."""
+    Greedy: the target's greedy response and the draft's greedy run after every prefix (exact). Sampling (an
+    estimate, module docstring): a response drawn from the target and, after every prefix, the draft's run of
+    candidates drawn from q, with each one's acceptance probability under the target and a uniform."""
     s = pair.config.sampling
+    sampled = s.temperature > 0
     # a seed per prompt: with one seed for all, every response starts from the same uniform, and one that lands in
     # the EOS token's mass (6% of it at the first step here) ended every response at once
     seed = seed * 1_000_003 + zlib.crc32(json.dumps(prompt).encode())
@@ -117,35 +92,32 @@ def record_sampled(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, 
     draft, target = Runner(pair.draft, pair, hidden=hidden, name="draft"), Runner(pair.target, pair)
     if len(prompt) > 1:
         draft.feed(prompt[:-1], last_only=True)
-        target.feed(prompt[:-1], last_only=True)
+        if sampled:
+            target.feed(prompt[:-1], last_only=True)
     seq, runs = list(prompt), []
     for i in range(len(response)):
         draft.crop(len(seq) - 1)
-        target.crop(len(seq) - 1)
-        logits, h = draft.feed([seq[-1]])
+        logits, h = draft.feed([seq[-1]])  # the pending token, as a round after a rejection feeds it
         run, q_tok = FreeRun([], [], [], [], None), []
         states = [h[-1]] if hidden else []
         for j in range(min(kmax, max_new - i)):
-            tok, q = pick(logits[-1], s, gen)
+            tok, q = pick(logits[-1], s, gen)  # the token and the scalars exactly as the engine's
             step = DraftStep(j, tok, q, logits[-1], None, None)
             run.tokens.append(tok), run.confidence.append(step.confidence), run.top1.append(step.top1)
             run.entropy.append(step.entropy), q_tok.append(q[tok])
             logits, h = draft.feed([tok])
             if hidden:
                 states.append(h[-1])
-        p = transform(target.feed([seq[-1]] + run.tokens)[0], s)  # row j: the target's law at token j
-        rows = torch.arange(len(run.tokens), device=p.device)
-        run.accept = accept_prob(p[rows, run.tokens], torch.stack(q_tok).to(p.device)).float().tolist()
-        run.uniform = torch.rand(len(run.tokens), generator=coins).tolist()
+        if sampled:
+            target.crop(len(seq) - 1)
+            p = transform(target.feed([seq[-1]] + run.tokens)[0], s)  # row j: the target's law at token j
+            rows = torch.arange(len(run.tokens), device=p.device)
+            run.accept = accept_prob(p[rows, run.tokens], torch.stack(q_tok).to(p.device)).float().tolist()
+            run.uniform = torch.rand(len(run.tokens), generator=coins).tolist()
         run.states = torch.stack(states).float().cpu() if hidden else None
         runs.append(run)
         seq.append(response[i])
     return Trajectory(list(prompt), response, runs, max_new)
-
-
-def recorder(pair: Pair):
-    """record or record_sampled, by the pair's sampling setting."""
-    return record if pair.config.sampling.temperature == 0 else record_sampled
 
 
 def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tuple[str, int]], int]:

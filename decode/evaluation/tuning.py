@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from decode.evaluation.replay import CostLine, Priced, Trajectory, evaluate, grid, recorder, replay, target_alone_calls
+from decode.evaluation.replay import CostLine, Priced, Trajectory, evaluate, grid, record, replay, target_alone_calls
 from decode.pair import Pair
 
 
@@ -33,7 +33,7 @@ def recorded(pair: Pair, bench_cfg: dict, ps: dict, split: str, kmax: int, folde
         return torch.load(path, weights_only=False)
     trajs = []
     for i, prompt in enumerate(prompts):
-        trajs.append(recorder(pair)(pair, prompt, bench_cfg["max_new_tokens"], kmax))
+        trajs.append(record(pair, prompt, bench_cfg["max_new_tokens"], kmax))
         if (i + 1) % 10 == 0 or i + 1 == len(prompts):
             print(f"[replay] recorded {ps['name']}/{split}: {i + 1}/{len(prompts)} prompts", flush=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ def check(cfg: dict, run: Path) -> None:
             saved = json.loads(f.read_text())
             cost, rows = Priced(CostModel(**saved["cost_model"])), saved["rows"]
             target = next(r for r in rows if r["kind"] == "target")
-            trajs = [recorder(pair)(pair, p, cfg["max_new_tokens"]) for p in saved["prompts"]]
+            trajs = [record(pair, p, cfg["max_new_tokens"]) for p in saved["prompts"]]
             alone = sum(cost.predict_s(target_alone_calls(t)) for t in trajs)
             for r in rows:
                 m = methods.get(r["method"])
