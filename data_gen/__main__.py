@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 
 from data_gen.module import Labeller, PromptData, ShardWriter
+from data_gen.quiet import own_args, quiet_lightning
 from data_gen.store import done_ids, load_split, shard_dirs
 from decode.pair import PairConfig, Sampling
 
@@ -33,6 +34,10 @@ GAMMAS = (1.0, 1.2, 1.5)
 
 
 class LabelCLI(LightningCLI):
+    def __init__(self, *args, **kwargs):
+        # Records are seeded per prompt; the global seed is fixed too (0), not drawn: Lightning warns when it draws one.
+        super().__init__(*args, **({"seed_everything_default": 0} | kwargs))
+
     def add_arguments_to_parser(self, parser):
         parser.link_arguments("data.pair", "model.pair")
         parser.link_arguments("data.max_new_tokens", "model.max_new_tokens")
@@ -126,18 +131,20 @@ def main(args=None) -> None:
         run(args)
     except Interrupted as stop:
         sys.exit(128 + stop.signum)
-    except ValueError as e:  # a bad setting: one line, exit 2 as argparse does
+    except (ValueError, FileNotFoundError) as e:  # a bad setting or path: one line, exit 2 as argparse does
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 
 
 def run(args=None) -> None:
-    cli = LabelCLI(
-        Labeller, PromptData, run=False, args=args, save_config_callback=None,
-        trainer_defaults={"logger": False, "enable_checkpointing": False, "use_distributed_sampler": False,
-                          "accelerator": "cpu", "devices": 1, "callbacks": [ShardWriter(), StopOnSignal(), ProgressLine()],
-                          "enable_progress_bar": False},
-    )
+    quiet_lightning()
+    with own_args(args):
+        cli = LabelCLI(
+            Labeller, PromptData, run=False, args=args, save_config_callback=None,
+            trainer_defaults={"logger": False, "enable_checkpointing": False, "use_distributed_sampler": False,
+                              "accelerator": "cpu", "devices": 1,
+                              "callbacks": [ShardWriter(), StopOnSignal(), ProgressLine()], "enable_progress_bar": False},
+        )
     base = cli.datamodule.output_dir
     for setting in settings_of(cli):
         setting = Sampling.of(vars(setting) if not isinstance(setting, dict) else setting)

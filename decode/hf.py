@@ -86,6 +86,29 @@ class HeadStop(StoppingCriteria):
         return DraftStep(index, token, None, logits, state, state)
 
 
+def in_config(kwargs: dict) -> dict:
+    """generate() keyword arguments with the generation arguments moved into (a copy of) their generation_config.
+
+    transformers' assisted generation drafts by calling the assistant's generate() with a generation_config and
+    min/max_new_tokens and use_cache beside it, a form that its own generate() deprecates (and warns about); the
+    assistants here call it in the current form, the config alone.
+    """
+    if kwargs.get("generation_config") is None:
+        return kwargs
+    gc = copy.copy(kwargs["generation_config"])  # scalar fields are set below, so a shallow copy is enough
+    rest = gc.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return rest | {"generation_config": gc}
+
+
+def assistant_of(draft):
+    """A shallow copy of the draft (same modules and weights, and the same generation_config object) that
+    transformers' assisted generation calls in the current form (in_config)."""
+    assistant = copy.copy(draft)
+    plain_generate = draft.generate
+    setattr(assistant, ASSISTANT_ENTRY, lambda *args, **kwargs: plain_generate(*args, **in_config(kwargs)))
+    return assistant
+
+
 def sampling_of(generation_config) -> Sampling:
     """The Sampling a generation config decodes under (greedy unless do_sample)."""
     if not generation_config.do_sample:
@@ -133,7 +156,7 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
         criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []) + [stop])
         handle = lm_head.register_forward_pre_hook(stop.capture)
         try:
-            return plain_generate(*args, stopping_criteria=criteria, **kwargs)
+            return plain_generate(*args, stopping_criteria=criteria, **in_config(kwargs))
         finally:
             handle.remove()
 
@@ -183,7 +206,7 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
             gc.num_assistant_tokens = hf.get("k", 20)
             gc.num_assistant_tokens_schedule = "constant"
             gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
-            kwargs["assistant_model"] = pair.draft
+            kwargs["assistant_model"] = assistant_of(pair.draft)
         if pair.draft.config.vocab_size != pair.target.config.vocab_size:
             # transformers takes unequal embedding sizes for two tokenizers: its universal assisted decoding maps
             # the (here identical) tokens across, which is exact under greedy decoding

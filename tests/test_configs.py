@@ -16,9 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_data_gen_configs_parse_through_the_cli(path):
     from data_gen.__main__ import LabelCLI
     from data_gen.module import Labeller, PromptData
+    from data_gen.quiet import own_args
 
-    cli = LabelCLI(Labeller, PromptData, run=False, args=["--config", str(path)], save_config_callback=None,
-                   trainer_defaults={"logger": False})
+    with own_args(["--config"]):
+        cli = LabelCLI(Labeller, PromptData, run=False, args=["--config", str(path)], save_config_callback=None,
+                       trainer_defaults={"logger": False})
     assert cli.model.pair_path == cli.datamodule.pair  # linked
     assert cli.datamodule.prompt_sets and cli.model.mixing.r == 0.15
 

@@ -106,12 +106,14 @@ def test_export_load_round_trip_and_draft_check(tmp_path):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_parses_through_the_cli(recipe):
+    from data_gen.quiet import own_args
     from train.cli import HeadCLI
     from train.data import LabelData
     from train.module import HeadModule
 
     # the real parser and instantiation (no I/O happens in any constructor), without running fit
-    cli = HeadCLI(HeadModule, LabelData, run=False, args=["--config", str(recipe)])
+    with own_args(["--config"]):
+        cli = HeadCLI(HeadModule, LabelData, run=False, args=["--config", str(recipe)])
     cfg = cli.config
     assert cli.model.head.init_args["in_dim"] == cli.datamodule.feature_dim
     assert cfg.model.head.class_path.startswith("heads.")

@@ -26,7 +26,7 @@ def fit(args=None) -> None:
         print("\nSIGTERM: training state saved under <trainer.default_root_dir>/resume/last.ckpt; continue with "
               "the same command plus --ckpt_path last", file=sys.stderr, flush=True)
         sys.exit(143)
-    except ValueError as e:  # a bad setting: one line, exit 2 as argparse does
+    except (ValueError, FileNotFoundError) as e:  # a bad setting or path: one line, exit 2 as argparse does
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 

@@ -9,25 +9,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI
 
+from data_gen.quiet import own_args, quiet_lightning
 from train.data import LabelData
 from train.module import HeadModule
 
 
-class ResumeCheckpoint(OnExceptionCheckpoint):
-    """Lightning's on-exception checkpoint, written to <default_root_dir>/resume/last.ckpt.
+class ResumeCheckpoint(Checkpoint):
+    """The whole training state, written to <default_root_dir>/resume/last.ckpt when fit stops on an exception.
 
-    On SIGTERM Lightning finishes the epoch in flight and raises SIGTERMException; this callback then
-    saves the whole training state, and `--ckpt_path last` continues from it to the same head.
+    On SIGTERM Lightning finishes the epoch in flight and raises SIGTERMException; this callback then saves
+    the state, and `--ckpt_path last` continues from it to the same head. It does what Lightning's
+    OnExceptionCheckpoint does but is not one: with one of those present Lightning reads ckpt_path=None as
+    "last" and warns twice on every fresh run; here a run resumes only when asked (HeadCLI.fit).
     """
 
     def __init__(self):
-        super().__init__(dirpath="resume", filename="last")
+        self.dirpath = "resume"
+
+    @property
+    def ckpt_path(self) -> str:
+        return str(Path(self.dirpath) / "last.ckpt")
 
     def place(self, root: str) -> None:
         self.dirpath = str(Path(root) / "resume")
+
+    def on_exception(self, trainer, *args, **kwargs) -> None:
+        trainer.save_checkpoint(self.ckpt_path)
+
+    def teardown(self, trainer, *args, **kwargs) -> None:  # a finished run leaves nothing to resume
+        trainer.strategy.remove_checkpoint(self.ckpt_path)
 
 
 class HeadCLI(LightningCLI):
@@ -42,7 +55,19 @@ class HeadCLI(LightningCLI):
                 cb.place(trainer.default_root_dir)
         return trainer
 
+    def fit(self, model, datamodule=None, ckpt_path=None, **kwargs) -> None:
+        """Trainer.fit, with `--ckpt_path last` read as this run's resume checkpoint (from the start when there
+        is none, so a script may always pass it)."""
+        if ckpt_path == "last":
+            resume = next(cb for cb in self.trainer.callbacks if isinstance(cb, ResumeCheckpoint)).ckpt_path
+            ckpt_path = resume if Path(resume).exists() else None
+            print(f"resuming from {resume}" if ckpt_path else f"no interrupted run to resume ({resume} does not "
+                  "exist): training from the start", flush=True)
+        self.trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
+
 
 def cli(args=None, run: bool = True) -> HeadCLI:
-    return HeadCLI(HeadModule, LabelData, args=args, run=run, save_config_kwargs={"overwrite": True},
-                   trainer_defaults={"accelerator": "cpu", "devices": 1, "callbacks": [ResumeCheckpoint()]})
+    quiet_lightning()
+    with own_args(args):
+        return HeadCLI(HeadModule, LabelData, args=args, run=run, save_config_kwargs={"overwrite": True},
+                       trainer_defaults={"accelerator": "cpu", "devices": 1, "callbacks": [ResumeCheckpoint()]})
