@@ -17,7 +17,15 @@ from torch.utils.data import DataLoader
 
 from data_gen.generate import KINDS, Mixing, label_batch
 from data_gen.prompts import PromptSet
-from data_gen.store import claim_output, clean_partial, code_version, done_ids, lock_output, write_shard
+from data_gen.store import (
+    claim_output,
+    clean_partial,
+    code_version,
+    done_ids,
+    lock_output,
+    set_aside_damaged,
+    write_shard,
+)
 from decode.pair import PairConfig, Sampling, load_pair, load_tokenizers
 from decode.prompting import encode
 
@@ -61,7 +69,11 @@ class PromptData(L.LightningDataModule):
                 self._lock.close()  # the previous setting's folder is finished
             self._lock = lock_output(self.output_dir)
             clean_partial(self.output_dir)
-        done = done_ids(self.output_dir)
+            for line in set_aside_damaged(self.output_dir):
+                print(f"[data_gen] {line}", flush=True)
+            done = done_ids(self.output_dir)
+        else:  # rank 0 may not have set damaged shards aside yet: count only whole ones
+            done = done_ids(self.output_dir, check=True)
         counts = {"prompts": 0, "empty_skipped": 0, "truncated": 0, "already_done": 0}
         items = []
         for ps in self.prompt_sets:
@@ -81,6 +93,11 @@ class PromptData(L.LightningDataModule):
                 items.append({"id": pid, "split": ps.split if ps.name == "pycode" else f"{ps.name}_{ps.split}",
                               "prompt_ids": ids})
         self.counts, self.items = counts, items
+
+    def teardown(self, stage: str) -> None:
+        if getattr(self, "_lock", None) is not None:  # released when the folder is done, not at process exit
+            self._lock.close()
+            self._lock = None
 
     def predict_dataloader(self) -> DataLoader:
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)

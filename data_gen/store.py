@@ -93,14 +93,80 @@ def shard_dirs(output: Path, split: str) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")) if d.exists() else []
 
 
-def done_ids(output: Path) -> set[str]:
-    """Prompt ids already labelled in any split (read from the shards' small id files)."""
+def all_shards(output: Path) -> list[Path]:
+    """Complete shards of every split."""
+    return [s for d in sorted(output.iterdir()) if d.is_dir() for s in shard_dirs(output, d.name)] \
+        if output.exists() else []
+
+
+def done_ids(output: Path, check: bool = False) -> set[str]:
+    """Prompt ids already labelled in any split (read from the shards' small id files); with check, only those
+    of shards that open whole (shard_problem)."""
     ids: set[str] = set()
-    for split_dir in output.iterdir() if output.exists() else []:
-        if split_dir.is_dir():
-            for shard in shard_dirs(output, split_dir.name):
-                ids.update(json.loads((shard / "ids.json").read_text()))
+    for shard in all_shards(output):
+        if not (check and shard_problem(shard)):
+            ids.update(json.loads((shard / "ids.json").read_text()))
     return ids
+
+
+class DamagedShard(ValueError):
+    """A label shard on disk does not open whole: written atomically, it can only have been damaged from outside
+    (an interrupted copy to another machine, a full disk)."""
+
+    def __init__(self, shard: Path, problem: str):
+        super().__init__(f"label shard {shard} does not open whole ({problem})")
+        self.shard, self.problem = shard, problem
+
+
+def shard_problem(shard: Path) -> str | None:
+    """What keeps a shard from opening whole, in a few words (None: it is whole): its id list, every row of its
+    Arrow table (datasets reads the whole stream on load) and the byte length its features header promises."""
+    try:
+        ids = json.loads((shard / "ids.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"ids.json: {_first_line(e)}"
+    try:
+        rows = len(datasets.load_from_disk(str(shard)))
+    except Exception as e:  # pyarrow and datasets raise several types for a cut stream
+        return f"Arrow table: {_first_line(e)}"
+    if rows != len(ids):
+        return f"Arrow table: {rows} rows for {len(ids)} prompt ids"
+    f = shard / "features.safetensors"
+    return f"features.safetensors: {bad}" if f.exists() and (bad := safetensors_problem(f)) else None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """A safetensors file is 8 bytes of header length, the JSON header, then the data the header's offsets cover:
+    a file cut short is shorter than that (None: whole)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+    except (OSError, ValueError) as e:
+        return _first_line(e)
+    if header is None:
+        return f"truncated: {size} bytes, header alone promises {8 + n}"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return None if size == 8 + n + end else f"truncated: {size} of {8 + n + end} bytes"
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def set_aside_damaged(output: Path) -> list[str]:
+    """Move every shard that does not open whole to <split>/.damaged-<name> (kept for a look, never read), so its
+    prompts count as not labelled and are labelled again; returns one line per shard moved."""
+    lines = []
+    for shard in all_shards(output):
+        problem = shard_problem(shard)
+        if problem:
+            aside = shard.with_name(f".damaged-{shard.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            shard.rename(aside)
+            lines.append(f"damaged shard {shard} ({problem}): moved to {aside.name}, its prompts are labelled again")
+    return lines
 
 
 def write_shard(output: Path, split: str, records: list[dict], feats: list[torch.Tensor] | None, rank: int) -> Path:
@@ -133,12 +199,21 @@ def load_split(output: str | Path, split: str) -> datasets.Dataset:
     shards = shard_dirs(output, split)
     if not shards:
         raise FileNotFoundError(f"no label shards under {output / split}; run `python -m data_gen` first")
-    ds = datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
-    ds = ds.sort("id")
-    # A prompt labelled twice (only possible if shards were copied in by hand) is kept once.
+    ds = datasets.concatenate_datasets([_open(datasets.load_from_disk, s, s) for s in shards])
+    # Sorted by index (Dataset.sort goes through pyarrow's deprecated null_placement); a prompt labelled twice
+    # (only possible if shards were copied in by hand) is kept once.
     ids = ds["id"]
-    keep = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
-    return ds if len(keep) == len(ids) else ds.select(keep)
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    keep = [i for n, i in enumerate(order) if n == 0 or ids[i] != ids[order[n - 1]]]
+    return ds if keep == list(range(len(ids))) else ds.select(keep)
+
+
+def _open(load, path: Path, shard: Path):
+    """load(str(path)), a shard's file, or DamagedShard naming the shard when it does not open whole."""
+    try:
+        return load(str(path))
+    except Exception as e:  # pyarrow, datasets and safetensors raise several types for a cut file
+        raise DamagedShard(shard, f"{path.name}: {_first_line(e)}") from e
 
 
 def load_features(output: str | Path, split: str) -> dict[str, torch.Tensor]:
@@ -148,7 +223,7 @@ def load_features(output: str | Path, split: str) -> dict[str, torch.Tensor]:
         f = shard / "features.safetensors"
         if not f.exists():
             raise FileNotFoundError(f"{shard} has no cached features; relabel with --model.cache_features true")
-        t = load_file(str(f))
+        t = _open(load_file, f, shard)
         ids = json.loads((shard / "ids.json").read_text())
         out.update(zip(ids, torch.split(t["hidden"], t["rows"].tolist())))
     return out

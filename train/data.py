@@ -9,6 +9,8 @@ fresh clone. Features come from the cached draft hidden states, or live from the
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from data_gen.store import load_features, load_split, metadata
+from data_gen.quiet import NESTED
+from data_gen.store import DamagedShard, load_features, load_split, metadata
 from decode.pair import Sampling
 from heads.features import FeatureSpec
 from train.labels import LabelFamily, SoftAcceptance
@@ -157,23 +160,40 @@ class LabelData(L.LightningDataModule):
     def folder(self) -> Path:
         return resolve(self.labels) / self.setting.name
 
+    def build_command(self) -> list[str]:
+        """The data_gen command that labels (or resumes and repairs) this label set for this setting."""
+        s = self.setting
+        return ["python", "-m", "data_gen", "--config", str(resolve(self.build_config)), "--data.output",
+                str(resolve(self.labels)), "--settings", f"[{{temperature: {s.temperature}, top_k: {s.top_k}, top_p: {s.top_p}}}]"]
+
     def prepare_data(self) -> None:
         out = self.folder
         if (out / "metadata.json").exists() and (out / self.val_split).exists():
             return
-        s = self.setting
-        cmd = [sys.executable, "-m", "data_gen", "--config", str(resolve(self.build_config)),
-               "--data.output", str(resolve(self.labels)),
-               "--settings", f"[{{temperature: {s.temperature}, top_k: {s.top_k}, top_p: {s.top_p}}}]"]
-        log.warning("label set %s is missing: building it with `%s`", out, " ".join(cmd))
-        subprocess.run(cmd, cwd=ROOT, check=True)
+        cmd = self.build_command()
+        log.warning("label set %s is missing: building it with `%s`", out, shlex.join(cmd))
+        # Nested: the labelling run leaves out the device and seed lines this run has printed (data_gen.quiet).
+        proc = subprocess.Popen([sys.executable, *cmd[1:]], cwd=ROOT, env=os.environ | {NESTED: "1"},
+                                stderr=subprocess.PIPE, text=True)
+        reason = None
+        for line in proc.stderr:  # passed through as it comes, but its one-line error becomes part of ours
+            if line.startswith("error: "):
+                reason = line.removeprefix("error: ").strip()
+            else:
+                sys.stderr.write(line)
+        if proc.wait() != 0:
+            raise ValueError(f"labelling the missing label set {out} failed ({reason or f'exit {proc.returncode}'}): "
+                             f"fix that and run again; `{shlex.join(cmd)}` labels it alone")
 
     def split_tensors(self, split: str) -> tuple[TensorDataset, dict[str, torch.Tensor]]:
         out = self.folder
-        ds = load_split(out, split)
-        if self.feature_source == "cache":
-            feats = load_features(out, split)
-        else:
+        try:
+            ds = load_split(out, split)
+            feats = load_features(out, split) if self.feature_source == "cache" else None
+        except DamagedShard as e:
+            raise ValueError(f"{e}: `{shlex.join(self.build_command())}` sets it aside and labels its prompts "
+                             "again") from e
+        if feats is None:
             pair_yaml = yaml_pair(self.build_config)
             feats = live_features(pair_yaml, ds)
         x, cols = flatten(ds, feats, self.features)
@@ -203,4 +223,12 @@ def yaml_pair(build_config: str) -> str:
     """The pair YAML named by a data_gen config."""
     import yaml
 
-    return yaml.safe_load(resolve(build_config).read_text())["data"]["pair"]
+    path = resolve(build_config)
+    if not path.is_file():
+        raise ValueError(f"--data.build_config {build_config}: no such file ({path}); give a data_gen config such as "
+                         "configs/data_gen/pycode.yaml")
+    try:
+        return yaml.safe_load(path.read_text())["data"]["pair"]
+    except (yaml.YAMLError, KeyError, TypeError) as e:
+        raise ValueError(f"--data.build_config {build_config} is not a data_gen config with data.pair "
+                         f"({type(e).__name__}); see configs/data_gen/pycode.yaml") from e
