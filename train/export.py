@@ -31,7 +31,7 @@ class ExportHead(Callback):
             return
         ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "")
         if ckpt:
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+            state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
             pl_module.load_state_dict(state)
         data = trainer.datamodule
         x, target, event = data.tensors[data.val_split].tensors

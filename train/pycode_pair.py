@@ -209,7 +209,7 @@ def train_lm(spec: LMSpec, tokenizer, streams: dict, corpus: dict, args, teacher
     gen = torch.Generator().manual_seed(args.seed)
     step, spent = 0, 0.0
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
+        st = torch.load(state_path, weights_only=True)  # plain: tensors, dicts, numbers
         if st["spec"] != asdict(spec):
             raise SystemExit(f"{state_path} was saved by a run with {st['spec']}, not {asdict(spec)}: "
                              "run with the same options, or delete the file to start this model again")

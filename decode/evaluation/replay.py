@@ -20,6 +20,7 @@ text of the same law (the target's) but not the same text.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -62,6 +63,28 @@ class Trajectory:
     response: list[int]
     runs: list[FreeRun]  # runs[i]: the draft after prompt + response[:i]
     max_new: int
+
+
+def save_trajectories(trajs: list[Trajectory], path: Path) -> None:
+    """Write trajectories as plain data (dicts, lists, numbers, tensors), which load_trajectories reads back
+    without unpickling any class: a cache file copied from elsewhere cannot run code on the machine that reads it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save([dataclasses.asdict(t) for t in trajs], tmp)
+    tmp.replace(path)
+
+
+def load_trajectories(path: Path) -> list[Trajectory]:
+    """The trajectories save_trajectories wrote; ValueError naming the file when it holds anything but plain data."""
+    import pickle
+
+    try:
+        raw = torch.load(path, weights_only=True)
+        return [Trajectory(**(t | {"runs": [FreeRun(**r) for r in t["runs"]]})) for t in raw]
+    except (pickle.UnpicklingError, RuntimeError, TypeError, KeyError) as e:
+        raise ValueError(f"{path} is not a replay cache of plain data (loading it would unpickle "
+                         f"{str(e).splitlines()[0][:120]!r}...): delete it, and replay records the trajectories "
+                         "again") from None
 
 
 class RecordedStep(DraftStep):

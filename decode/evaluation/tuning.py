@@ -18,7 +18,18 @@ from pathlib import Path
 
 import torch
 
-from decode.evaluation.replay import CostLine, Priced, Trajectory, evaluate, grid, record, replay, target_alone_calls
+from decode.evaluation.replay import (
+    CostLine,
+    Priced,
+    Trajectory,
+    evaluate,
+    grid,
+    load_trajectories,
+    record,
+    replay,
+    save_trajectories,
+    target_alone_calls,
+)
 from decode.pair import Pair
 
 
@@ -27,17 +38,17 @@ def recorded(pair: Pair, bench_cfg: dict, ps: dict, split: str, kmax: int, folde
     from decode.evaluation.bench import encode_prompts
 
     prompts = encode_prompts(pair, ps[split], bench_cfg["max_new_tokens"])
-    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, bench_cfg["max_new_tokens"], kmax]).encode())
+    # "plain": the file format (save_trajectories); caches of the pickled format before it get another key
+    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, bench_cfg["max_new_tokens"], kmax, "plain"]).encode())
     path = folder / f"{ps['name']}-{split}-{key.hexdigest()[:12]}.pt"
     if path.exists():
-        return torch.load(path, weights_only=False)
+        return load_trajectories(path)
     trajs = []
     for i, prompt in enumerate(prompts):
         trajs.append(record(pair, prompt, bench_cfg["max_new_tokens"], kmax))
         if (i + 1) % 10 == 0 or i + 1 == len(prompts):
             print(f"[replay] recorded {ps['name']}/{split}: {i + 1}/{len(prompts)} prompts", flush=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(trajs, path)
+    save_trajectories(trajs, path)
     return trajs
 
 
