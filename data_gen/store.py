@@ -199,7 +199,7 @@ def load_split(output: str | Path, split: str) -> datasets.Dataset:
     shards = shard_dirs(output, split)
     if not shards:
         raise FileNotFoundError(f"no label shards under {output / split}; run `python -m data_gen` first")
-    ds = datasets.concatenate_datasets([_open(datasets.load_from_disk, s, s) for s in shards])
+    ds = datasets.concatenate_datasets([_open(datasets.load_from_disk, s, s, "Arrow table") for s in shards])
     # Sorted by index (Dataset.sort goes through pyarrow's deprecated null_placement); a prompt labelled twice
     # (only possible if shards were copied in by hand) is kept once.
     ids = ds["id"]
@@ -208,12 +208,12 @@ def load_split(output: str | Path, split: str) -> datasets.Dataset:
     return ds if keep == list(range(len(ids))) else ds.select(keep)
 
 
-def _open(load, path: Path, shard: Path):
-    """load(str(path)), a shard's file, or DamagedShard naming the shard when it does not open whole."""
+def _open(load, path: Path, shard: Path, what: str):
+    """load(str(path)), a shard's `what`, or DamagedShard naming the shard when it does not open whole."""
     try:
         return load(str(path))
     except Exception as e:  # pyarrow, datasets and safetensors raise several types for a cut file
-        raise DamagedShard(shard, f"{path.name}: {_first_line(e)}") from e
+        raise DamagedShard(shard, f"{what}: {_first_line(e)}") from e
 
 
 def load_features(output: str | Path, split: str) -> dict[str, torch.Tensor]:
@@ -223,7 +223,7 @@ def load_features(output: str | Path, split: str) -> dict[str, torch.Tensor]:
         f = shard / "features.safetensors"
         if not f.exists():
             raise FileNotFoundError(f"{shard} has no cached features; relabel with --model.cache_features true")
-        t = _open(load_file, f, shard)
+        t = _open(load_file, f, shard, f.name)
         ids = json.loads((shard / "ids.json").read_text())
         out.update(zip(ids, torch.split(t["hidden"], t["rows"].tolist())))
     return out

@@ -37,7 +37,8 @@ class ResumeCheckpoint(Checkpoint):
         self.dirpath = str(Path(root) / "resume")
 
     def on_exception(self, trainer, *args, **kwargs) -> None:
-        trainer.save_checkpoint(self.ckpt_path)
+        if trainer.global_step > 0:  # a run that failed before training (bad data, say) has nothing to resume
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)  # the whole state: optimiser, loops, callbacks
 
     def teardown(self, trainer, *args, **kwargs) -> None:  # a finished run leaves nothing to resume
         trainer.strategy.remove_checkpoint(self.ckpt_path)
