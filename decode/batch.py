@@ -102,6 +102,12 @@ class RowCache:
             self.keep(self.length)
 
 
+def row_generators(pair: Pair, seed: int, n: int) -> list[torch.Generator]:
+    """Row i's own stream (seed + i), on the device its draws are used: its draws do not depend on which rows share
+    its batch."""
+    return [torch.Generator(device=pair.device).manual_seed(seed + i) for i in range(n)]
+
+
 class BatchDecoder:
     """generate(prompts) over a batch with a policy and a rule; returns one Generation per prompt, in order.
 
@@ -119,17 +125,13 @@ class BatchDecoder:
             raise ValueError(f"{type(policy).__name__} peeks at the target off the books and decodes one sequence at "
                              "a time: use decode.engine.SpeculativeDecoder")
 
-    def generators(self, n: int) -> list[torch.Generator]:
-        """Row i's own stream (seed + i): its draws do not depend on which rows share its batch."""
-        return [torch.Generator(device=self.pair.device).manual_seed(self.seed + i) for i in range(n)]
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:
         """B prompts (token ids, any lengths) -> B generations, each stopping at its own EOS or max_new_tokens."""
         for ids in prompts:
             check_prompt(self.pair, ids, max_new_tokens)
         n, stats, t_start = len(prompts), Stats(), self.now()
-        gens, eos, ctx = self.generators(n), set(self.pair.eos_ids), self.pair.config.max_context
+        gens, eos, ctx = row_generators(self.pair, self.seed, n), set(self.pair.eos_ids), self.pair.config.max_context
         calls: list = []
         draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=self.policy.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
@@ -249,7 +251,7 @@ class BatchAutoregressive:
         for ids in prompts:
             check_prompt(self.pair, ids, max_new_tokens)
         n, stats, t_start, eos = len(prompts), Stats(), self.now(), set(self.pair.eos_ids)
-        gens = BatchDecoder.generators(self, n)
+        gens = row_generators(self.pair, self.seed, n)
         cache = RowCache(getattr(self.pair, self.which), self.pair, n, self.which, stats.calls)
         cache.feed([list(ids[:-1]) for ids in prompts])
         rows, nxt, out = list(range(n)), [ids[-1] for ids in prompts], [[] for _ in prompts]
@@ -266,7 +268,6 @@ class BatchAutoregressive:
                 cache.select(torch.tensor(stay, dtype=torch.long))
                 rows = [rows[i] for i in stay]
         stats.new_tokens, stats.wall = sum(map(len, out)), self.now() - t_start
-        if self.which == "target":
-            stats.target_calls = len([c for c in stats.calls if c[0] == "target"]) - 1
+        setattr(stats, f"{self.which}_calls", len(stats.calls) - 1)  # batch forwards after the prefill
         self.stats = stats
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o))) for o in out]
