@@ -2,104 +2,29 @@
 
     gens = BatchDecoder(pair, FixedK(4), SpeculativeSampling()).generate([ids_a, ids_b, ids_c], max_new_tokens=64)
 
-KV caches (RowCache): every row's text is contiguous and ends at the cache's last column; rows are left-padded
-behind an attention mask, and each forward gets explicit per-row position ids. A forward feeds each row its own
-number of tokens, right-padded within the step: causal attention keeps a row's real tokens from reading the filler
-after them. After the forward (and after verification) each row is cut back to the text it keeps by moving its
-cache right and widening its left padding (one gather per layer), so the rows stay right-aligned. So the physical
-distance between two real tokens is their distance in the text, which is what sliding-window masks measure, and
-rejected positions never stay behind a mask (the scheme that corrupts rows at larger batch sizes).
+KV caches: decode.rowcache.RowCache keeps every row's text contiguous and right-aligned, and cuts each row back to
+the text it keeps after verification (no rejected position stays behind a mask).
 
-Rows never leak into each other: each row draws from its own generator (seed + its index in the request), and
-the drafting policy is copied per row (decode.policies: each copy keeps its row's state). A finished row (EOS or
-budget) leaves the batch's work. The verification rules are the engine's, applied to each row's slice.
+Rows never leak into each other: each row draws from its own generator (seed + its index in the request), and a
+decode.policies policy is copied per row (decode.batch_control.PerRow: each copy keeps its row's state); a head's
+probabilities come from one forward over the rows per step. A finished row (EOS or budget) leaves the batch's work.
+The verification rules are the engine's (Rule.verify_rows: each row's slice, greedy rules in one argmax).
+Host reads: one per draft step (the rows' candidates) and one per verification.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
+from decode.batch_control import BatchControl, RowsStep, control_of
+from decode.batch_costs import batch_costs
 from decode.costs import clock, measure_costs
 from decode.engine import Generation, Stats, check_prompt
-from decode.kvcache import forward, rollback_cache
-from decode.pair import Pair, input_device
-from decode.policies import DraftStep, HeadPolicy, Policy
+from decode.pair import Pair
+from decode.policies import HeadPolicy, Policy
+from decode.rowcache import RowCache
 from decode.rules import Rule
-from decode.sampling import pick, transform
-
-
-class RowCache:
-    """One model's KV cache over B rows, right-aligned: row b's tokens fill the last columns, the first pad[b] columns
-    are padding (masked). Rows that hold filler after a feed hold it at the end, until keep() cuts it."""
-
-    def __init__(self, model, pair: Pair, rows: int, name: str, calls: list, hidden: bool = False):
-        self.model, self.pair, self.name, self.calls, self.hidden = model, pair, name, calls, hidden
-        self.cache, self.device = rollback_cache(), input_device(model)
-        self.pad = torch.zeros(rows, dtype=torch.long)
-        self.width = 0
-
-    @property
-    def length(self) -> torch.Tensor:
-        """(B,) tokens each row holds."""
-        return self.width - self.pad
-
-    def mask(self, extra: int) -> torch.Tensor:
-        """(B, width + extra) attention mask: 0 on each row's left padding."""
-        cols = torch.arange(self.width + extra)
-        return (cols[None, :] >= self.pad[:, None]).long().to(self.device)
-
-    @torch.no_grad()
-    def feed(self, chunks: list[list[int]], trim: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Row b's tokens chunks[b] (a prefill's may be empty) -> (B, M, V) float32 logits and (B, M, H) hidden states
-        (None unless hidden), M the longest chunk: row b's are at [:len(chunks[b])], the rest is filler, cut here
-        unless trim is False (the caller's keep() cuts it with what verification rejects: one move, not two)."""
-        sizes = torch.tensor([len(c) for c in chunks])
-        m = int(sizes.max())
-        ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
-        before = self.length
-        pos = (before[:, None] + torch.arange(m)[None, :]).to(self.device)
-        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=self.mask(m), position_ids=pos)
-        out, state = out if self.hidden else (out, None)
-        self.width += m
-        self.calls.append((self.name, m))
-        if trim and bool((sizes < m).any()):
-            self.keep(before + sizes)
-        return self.pair.logits(out.logits), state
-
-    def keep(self, lengths: torch.Tensor) -> None:
-        """Cut row b back to its first lengths[b] tokens (at most what it holds): its cache moves right by what it
-        drops beyond the row that drops least, and columns that every row pads are cut from the left."""
-        drop = self.length - lengths
-        if bool((drop < 0).any()):
-            raise ValueError(f"a row cannot keep more tokens than its cache holds: {lengths.tolist()}")
-        shift, width = drop - drop.min(), self.width - int(drop.min())
-        left = int((width - lengths).min())  # columns that are padding in every row
-        idx = (torch.arange(left, width)[None, :] - shift[:, None]).clamp_min(0)
-        moved = bool(shift.any())
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            if moved:
-                k = layer.keys
-                g = idx.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-                layer.keys, layer.values = k.gather(2, g), layer.values.gather(2, g)
-            else:
-                layer.keys, layer.values = layer.keys[:, :, left:width], layer.values[:, :, left:width]
-        self.width = width - left
-        self.pad = self.width - lengths
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (indices into the current batch), in this order."""
-        for layer in self.cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                r = rows.to(layer.keys.device)
-                layer.keys, layer.values = layer.keys.index_select(0, r), layer.values.index_select(0, r)
-        self.pad = self.pad.index_select(0, rows)
-        left = int(self.pad.min()) if len(rows) else 0
-        if left:
-            self.keep(self.length)
+from decode.sampling import pick_rows, transform
 
 
 def row_generators(pair: Pair, seed: int, n: int) -> list[torch.Generator]:
@@ -109,31 +34,37 @@ def row_generators(pair: Pair, seed: int, n: int) -> list[torch.Generator]:
 
 
 class BatchDecoder:
-    """generate(prompts) over a batch with a policy and a rule; returns one Generation per prompt, in order.
+    """generate(prompts) over a batch with a drafting control and a rule; returns one Generation per prompt, in order.
 
-    The policy is copied for each row (its state is the row's); a HeadPolicy is bound once, so its head is shared.
+    policy: a decode.policies policy (copied per row, decode.batch_control.PerRow) or a BatchControl.
+    cost_sizes: the batch sizes a BatchCostAware control's cost tables are measured at (decode.batch_costs; None:
+    powers of 4 up to the request's size).
     """
 
-    def __init__(self, pair: Pair, policy: Policy, rule: Rule, seed: int = 0):
-        self.pair, self.policy, self.rule, self.seed = pair, policy, rule, seed
+    def __init__(self, pair: Pair, policy: Policy | BatchControl, rule: Rule, seed: int = 0,
+                 cost_sizes: list[int] | None = None):
+        self.control = control_of(policy)
+        self.pair, self.policy, self.rule, self.seed, self.cost_sizes = pair, policy, rule, seed, cost_sizes
         self.now = clock(pair.device)
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
-        if policy.needs_costs:
+        if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1
             policy.set_costs(*measure_costs(pair))
-        if policy.needs_target_peek:
-            raise ValueError(f"{type(policy).__name__} peeks at the target off the books and decodes one sequence at "
-                             "a time: use decode.engine.SpeculativeDecoder")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:
-        """B prompts (token ids, any lengths) -> B generations, each stopping at its own EOS or max_new_tokens."""
+        """B prompts (token ids, any lengths) -> B generations, each stopping at its own EOS or max_new_tokens; a
+        generation's stats.wall is when its row finished (per-row latency)."""
         for ids in prompts:
             check_prompt(self.pair, ids, max_new_tokens)
-        n, stats, t_start = len(prompts), Stats(), self.now()
-        gens, eos, ctx = row_generators(self.pair, self.seed, n), set(self.pair.eos_ids), self.pair.config.max_context
-        calls: list = []
-        draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=self.policy.needs_hidden)
+        ctl, n = self.control, len(prompts)
+        if ctl.needs_batch_costs and ctl.costs is None:
+            sizes = self.cost_sizes or sorted({1, *(4 ** i for i in range(1, 5) if 4 ** i < n), n})
+            typical = sorted(map(len, prompts))[n // 2] + max_new_tokens // 2
+            ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
+        stats, t_start, eos, ctx = Stats(), self.now(), set(self.pair.eos_ids), self.pair.config.max_context
+        gens, calls = row_generators(self.pair, self.seed, n), []
+        draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=ctl.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
         for cache, slot in ((draft, "t_draft"), (target, "t_target")):
             t0 = self.now()
@@ -142,32 +73,28 @@ class BatchDecoder:
         rows = list(range(n))  # the request index of each batch row still decoding
         committed = [list(ids[:-1]) for ids in prompts]
         pending = [ids[-1] for ids in prompts]
-        unread: list[list[int]] = [[] for _ in prompts]  # accepted text the draft has not read yet
         out: list[list[int]] = [[] for _ in prompts]
-        policies = [copy.copy(self.policy) for _ in prompts]
-        for pol in policies:
-            pol.start()
+        ends = [0.0] * n
+        ctl.start(n)
         while rows:
             limits = [max(1, min(max_new_tokens - len(out[r]), ctx - len(committed[r]) - 2)) for r in rows]
-            tokens, qs = self._draft(draft, rows, pending, unread, policies, gens, limits, stats)
+            k_max = min(ctl.begin(len(rows)), max(limits))
+            tokens, q, read = self._draft(draft, rows, committed, pending, gens, limits, k_max, stats)
             t0 = self.now()
             logits, _ = target.feed([[pending[r]] + tokens[i] for i, r in enumerate(rows)], trim=False)
             stats.t_target += self.now() - t0
             stats.target_calls += 1
             t0 = self.now()
             p = transform(logits, self.pair.config.sampling)
+            verdicts = self.rule.verify_rows(tokens, q, p, [gens[r] for r in rows])
             done, keep_t, keep_d = [], [], []
-            for i, r in enumerate(rows):
+            for i, (r, (n_acc, nxt)) in enumerate(zip(rows, verdicts)):
                 k = len(tokens[i])
-                n_acc, nxt = self.rule.verify(torch.tensor(tokens[i], device=p.device), qs[i], p[i, : k + 1], gens[r])
                 stats.rounds, stats.drafted, stats.discarded = stats.rounds + 1, stats.drafted + k, stats.discarded + k - n_acc
                 stats.accepted.append(n_acc)
-                policies[r].verified(n_acc, k)
-                read = int(draft.length[i]) - len(committed[r])  # of pending + candidates, what the draft has read
                 committed[r] += [pending[r]] + tokens[i][:n_acc]
                 keep_t.append(len(committed[r]))
-                keep_d.append(len(committed[r]) - max(0, 1 + n_acc - read))
-                unread[r] = committed[r][keep_d[-1]:]
+                keep_d.append(min(read[i], len(committed[r])))  # what the draft read of the text that stands
                 new = tokens[i][:n_acc] + [nxt]
                 end = next((j for j, t in enumerate(new) if t in eos), None)
                 out[r] += new[: None if end is None else end + 1]
@@ -175,66 +102,83 @@ class BatchDecoder:
                 if end is not None or len(out[r]) >= max_new_tokens:
                     out[r] = out[r][:max_new_tokens]
                     done.append(i)
+            ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
             target.keep(torch.tensor(keep_t))
             draft.keep(torch.tensor(keep_d))
             stats.t_rule += self.now() - t0
             if done:
-                stay = torch.tensor([i for i in range(len(rows)) if i not in set(done)], dtype=torch.long)
-                target.select(stay)
-                draft.select(stay)
-                rows = [rows[i] for i in stay.tolist()]
+                for i in done:
+                    ends[rows[i]] = self.now() - t_start
+                stay = [i for i in range(len(rows)) if i not in set(done)]
+                target.select(torch.tensor(stay, dtype=torch.long))
+                draft.select(torch.tensor(stay, dtype=torch.long))
+                ctl.select(stay)
+                rows = [rows[i] for i in stay]
         stats.new_tokens, stats.wall, stats.calls = sum(map(len, out)), self.now() - t_start, calls
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
-        return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o))) for o in out]
+        self.peak_bytes = draft.peak_bytes + target.peak_bytes
+        return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(out, ends)]
 
-    def _draft(self, draft: RowCache, rows, pending, unread, policies, gens, limits, stats):
-        """One drafting round for every row -> each row's candidates and (k, V) q. A row stops on its own (its policy
-        or its limit); the batch drafts while any row does, and a stopped row's further feeds are filler that the
-        verification's keep() cuts. As in the engine, a candidate is read only to draft the next one, or before the
-        stop decision when the policy needs the state after it ("own" heads)."""
-        s, own, idx = self.pair.config.sampling, self.policy.reads_own_state, torch.arange(len(rows))
-        for r in rows:
-            policies[r].reset()
+    def _draft(self, draft: RowCache, rows, committed, pending, gens, limits, k_max, stats):
+        """One drafting round for every row -> each row's candidates, (M, R, V) their q (None if none) and the tokens
+        each row's draft cache holds of real text. A row stops on its own (the control or its limit); the batch
+        drafts while any row does, feeding a stopped row filler that the round's keep() cuts. As in the engine, a
+        candidate is read only to draft the next one, or before the stop decision when the control needs the state
+        after it ("own" heads)."""
+        tokens: list[list[int]] = [[] for _ in rows]
+        if k_max == 0:  # a plain target step: the draft reads the text later, when a round drafts
+            return tokens, None, draft.length.tolist()
+        s, own, ctl = self.pair.config.sampling, self.control.reads_own_state, self.control
+        row_gens = [gens[r] for r in rows]
+        unread = [committed[r][int(x):] + [pending[r]] for r, x in zip(rows, draft.length)]
         t0 = self.now()
-        logits, hidden = draft.feed([unread[r] + [pending[r]] for r in rows])
+        logits, hidden = draft.feed(unread)
         stats.t_draft, stats.draft_calls = stats.t_draft + self.now() - t0, stats.draft_calls + 1
-        last = torch.tensor([len(unread[r]) for r in rows])  # each row's last real position in that chunk
+        idx, last = torch.arange(len(rows)), torch.tensor([len(u) - 1 for u in unread])
         raw = logits[idx, last]
         state = None if hidden is None else hidden[idx, last.to(hidden.device)]
-        tokens, qs, live = [[] for _ in rows], [[] for _ in rows], [True] * len(rows)
+        read, qs, live = draft.length.tolist(), [], list(range(len(rows)))
         while True:
             t0 = self.now()
-            for i, r in enumerate(rows):
-                if live[i]:
-                    tok, q = pick(raw[i], s, gens[r])
-                    tokens[i].append(tok), qs[i].append(q)
+            if len(live) < len(rows):  # only rows still drafting draw (a row's stream never depends on others)
+                picked, q_live = pick_rows(raw[torch.tensor(live)], s, [row_gens[i] for i in live])
+                q = raw.new_zeros(raw.shape).index_copy_(0, torch.tensor(live, device=raw.device), q_live)
+                picked = dict(zip(live, picked))
+            else:
+                picked, q = pick_rows(raw, s, row_gens)
             stats.t_sample += self.now() - t0
-            deciding = [i for i, r in enumerate(rows) if live[i] and len(tokens[i]) < min(policies[r].max_len, limits[i])]
-            live = [i in set(deciding) for i in range(len(rows))]
-            if not own:
-                self._decide(rows, deciding, live, tokens, qs, raw, state, None, policies, stats)
-            if not any(live) if not own else not deciding:
+            qs.append(q)
+            for i in live:
+                tokens[i].append(picked[i])
+            deciding = [i for i in live if len(tokens[i]) < min(k_max, limits[i])]
+            if not own and deciding:
+                deciding = self._decide(deciding, tokens, q, raw, state, None, stats)
+            if not deciding:
                 break
-            drew = raw
+            feed = [[t[-1]] for t in tokens]  # a row that stopped is fed its last token again: filler
             t0 = self.now()
-            logits, hidden = draft.feed([[t[-1]] for t in tokens])
+            logits, hidden = draft.feed(feed, trim=False)
             stats.t_draft, stats.draft_calls = stats.t_draft + self.now() - t0, stats.draft_calls + 1
-            raw, after = logits[:, 0], None if hidden is None else hidden[:, 0]
+            for i in deciding:
+                read[i] += 1
+            drew, raw, after = raw, logits[:, 0], None if hidden is None else hidden[:, 0]
             if own:  # the decision reads the state after the candidate, which this feed computed
-                self._decide(rows, deciding, live, tokens, qs, drew, state, after, policies, stats)
-                if not any(live):
+                deciding = self._decide(deciding, tokens, q, drew, state, after, stats)
+                if not deciding:
                     break
-            state = after
-        return tokens, [torch.stack(q) for q in qs]
+            state, live = after, deciding
+        return tokens, torch.stack(qs), read
 
-    def _decide(self, rows, deciding, live, tokens, qs, raw, before, after, policies, stats) -> None:
-        """Each deciding row's policy sees its last candidate (DraftStep as the engine builds it); live[i] = go on."""
+    def _decide(self, deciding, tokens, q, raw, before, after, stats) -> list[int]:
+        """The control sees each deciding row's last candidate -> the rows that draft on."""
         t0 = self.now()
-        for i in deciding:
-            step = DraftStep(len(tokens[i]) - 1, tokens[i][-1], qs[i][-1], raw[i],
-                             None if before is None else before[i], None if after is None else after[i])
-            live[i] = not policies[rows[i]].stop(step)
+        rows = torch.tensor(deciding)
+        step = RowsStep(len(tokens[deciding[0]]) - 1, deciding, [tokens[i][-1] for i in deciding], q[rows], raw[rows],
+                        None if before is None else before[rows.to(before.device)],
+                        None if after is None else after[rows.to(after.device)])
+        go = self.control.decide(step)
         stats.t_head += self.now() - t0
+        return [i for i, g in zip(deciding, go) if g]
 
 
 class BatchAutoregressive:
@@ -255,19 +199,22 @@ class BatchAutoregressive:
         cache = RowCache(getattr(self.pair, self.which), self.pair, n, self.which, stats.calls)
         cache.feed([list(ids[:-1]) for ids in prompts])
         rows, nxt, out = list(range(n)), [ids[-1] for ids in prompts], [[] for _ in prompts]
+        ends = [0.0] * n
         while rows:
             logits, _ = cache.feed([[nxt[r]] for r in rows])
+            picked, _ = pick_rows(logits[:, 0], self.pair.config.sampling, [gens[r] for r in rows])
             stay = []
-            for i, r in enumerate(rows):
-                tok, _ = pick(logits[i, 0], self.pair.config.sampling, gens[r])
+            for i, (r, tok) in enumerate(zip(rows, picked)):
                 out[r].append(tok)
                 nxt[r] = tok
                 if tok not in eos and len(out[r]) < max_new_tokens:
                     stay.append(i)
+                else:
+                    ends[r] = self.now() - t_start
             if len(stay) < len(rows):
                 cache.select(torch.tensor(stay, dtype=torch.long))
                 rows = [rows[i] for i in stay]
         stats.new_tokens, stats.wall = sum(map(len, out)), self.now() - t_start
         setattr(stats, f"{self.which}_calls", len(stats.calls) - 1)  # batch forwards after the prefill
-        self.stats = stats
-        return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o))) for o in out]
+        self.stats, self.peak_bytes = stats, cache.peak_bytes
+        return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(out, ends)]

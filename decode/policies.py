@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from decode import labels as L
@@ -182,11 +183,34 @@ class HeadPolicy(Policy):
                                          accepted_run=torch.tensor(self.run + step.index))
         return self.fast_prob(hidden.numpy())
 
+    @torch.no_grad()
+    def probs(self, hidden: torch.Tensor, entropy: torch.Tensor, top1: torch.Tensor, confidence: torch.Tensor,
+              runs: torch.Tensor) -> np.ndarray:
+        """prob() over R rows in one head forward (decode.batch): (R, H) states, (R,) scalars and accepted runs
+        before each row's candidate -> (R,) probabilities."""
+        hidden = hidden.float().cpu()
+        if self.features.extras:
+            hidden = self.features.build(hidden, entropy.cpu(), top1.cpu(), confidence.cpu(), accepted_run=runs)
+        return np.atleast_1d(self.fast_prob(hidden.numpy()))
 
-def calibrated(raw: Callable, a: float, b: float, x) -> float:
-    """sigmoid(a * logit(raw(x)) + b): a head's probability after the calibration recorded in its config."""
-    p = min(max(raw(x), 1e-7), 1 - 1e-7)
-    return 1.0 / (1.0 + math.exp(-(a * math.log(p / (1 - p)) + b)))
+    def stop(self, step):
+        return self.given(self.prob(step))
+
+    def given(self, prob: float) -> bool:
+        """The stop decision once the head has said this candidate's probability (decode.batch computes the
+        probabilities of every row in one forward, then asks each row's copy)."""
+        raise NotImplementedError
+
+
+def calibrated(raw: Callable, a: float, b: float, x):
+    """sigmoid(a * logit(raw(x)) + b): a head's probability after the calibration recorded in its config (an array
+    of them for a batch of rows)."""
+    p = raw(x)
+    if isinstance(p, float):  # one row: plain floats (numpy's scalar ops cost more than the head at batch 1)
+        p = min(max(p, 1e-7), 1 - 1e-7)
+        return 1.0 / (1.0 + math.exp(-(a * math.log(p / (1 - p)) + b)))
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    return 1.0 / (1.0 + np.exp(-(a * np.log(p / (1 - p)) + b)))
 
 
 class SpecDecPP(HeadPolicy):
@@ -206,13 +230,10 @@ class SpecDecPP(HeadPolicy):
     def reset(self):
         self.survive = 1.0
 
-    def update(self, prob: float) -> bool:
+    def given(self, prob: float) -> bool:
         """Fold in one candidate's acceptance probability; True once the round should stop."""
         self.survive *= prob
         return 1.0 - self.survive > self.h
-
-    def stop(self, step):
-        return self.update(self.prob(step))
 
 
 class CostAwareStop(HeadPolicy):
@@ -273,8 +294,7 @@ class CostAwareStop(HeadPolicy):
             self.spent += self.cost(self.k)
         self.survive, self.expected, self.k = 1.0, 1.0, 0
 
-    def stop(self, step):
-        a = self.prob(step)
+    def given(self, a: float) -> bool:
         self.k += 1
         self.survive *= a
         self.expected += self.survive
@@ -306,8 +326,8 @@ class SprinterVerifier(HeadPolicy):
         check_unit("eta", eta)
         self.eta, self.max_len = eta, check_max_len(max_len)
 
-    def stop(self, step):
-        return self.prob(step) < self.eta
+    def given(self, prob: float) -> bool:
+        return prob < self.eta
 
 
 class DraftConfidence(Policy):

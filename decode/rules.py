@@ -23,6 +23,16 @@ class Rule:
     def verify(self, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
         raise NotImplementedError
 
+    def verify_rows(self, tokens: list[list[int]], q: torch.Tensor | None, p: torch.Tensor,
+                    gens: list[torch.Generator]) -> list[tuple[int, int]]:
+        """verify() over a batch (decode.batch): row r's candidates tokens[r], (M, R, V) q (row r's in q[:k_r, r];
+        None when nothing was drafted), (R, M + 1, V) p (row r's in p[r, :k_r + 1]), its own generator gens[r]."""
+        out = []
+        for r, t in enumerate(tokens):
+            q_r = q[: len(t), r] if q is not None else p.new_zeros(0, p.shape[-1])
+            out.append(self.verify(torch.tensor(t, dtype=torch.long, device=p.device), q_r, p[r, : len(t) + 1], gens[r]))
+        return out
+
 
 class SpeculativeSampling(Rule):
     """Leviathan et al. / Chen et al.: accept x with min(1, p/q), else resample norm(max(0, p - q))."""
@@ -44,6 +54,9 @@ class SpeculativeSampling(Rule):
     def resample(self, p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
         return L.residual(p_i, q_i)
 
+    def verify_rows(self, tokens, q, p, gens):
+        return greedy_rows(tokens, p) if L.one_hot(p) else super().verify_rows(tokens, q, p, gens)
+
 
 def greedy_verify(tokens: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
     """(k,) draft tokens, (k + 1, V) p -> accepted while each is the target's argmax, then the argmax."""
@@ -54,6 +67,16 @@ def greedy_verify(tokens: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
     return len(tokens), best[len(tokens)]
 
 
+def greedy_rows(tokens: list[list[int]], p: torch.Tensor) -> list[tuple[int, int]]:
+    """greedy_verify over rows: (R, M + 1, V) p, one argmax and one host read for the batch."""
+    best = argmax(p).tolist()
+    out = []
+    for t, b in zip(tokens, best):
+        n = next((i for i, x in enumerate(t) if x != b[i]), len(t))
+        out.append((n, b[n]))
+    return out
+
+
 class GreedyMatch(Rule):
     """Accept while the draft token is the target's argmax; emit the target's argmax next."""
 
@@ -61,6 +84,9 @@ class GreedyMatch(Rule):
 
     def verify(self, tokens, q, p, gen):
         return greedy_verify(tokens, p)
+
+    def verify_rows(self, tokens, q, p, gens):
+        return greedy_rows(tokens, p)
 
 
 class FSD(Rule):

@@ -85,8 +85,9 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.from_numpy(p >= np.take_along_axis(desc, kept - 1, axis=-1))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(..., V) probabilities -> (...) token ids, one uniform per row from `generator`.
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., V) probabilities -> (...) token ids, one uniform per row from `generator` (or the (rows, 1) float64
+    uniforms u, drawn by the caller: decode.batch's rows each draw from their own stream).
 
     Inverse CDF: the first token whose running mass exceeds u times the total. Over a 4096-token
     vocabulary torch.multinomial took 192 us a draw here and this takes 122 (an isolated loop); in
@@ -97,7 +98,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """
     flat = probs.detach().reshape(-1, probs.shape[-1]).double()
     cum = flat.cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    if u is None:
+        u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
     idx = torch.searchsorted(cum, u * cum[:, -1:], right=True)
     # u * total can round up to the total: take the last token with mass (the first maximum of the sums)
     idx = torch.where(idx < flat.shape[-1], idx, cum.argmax(-1, keepdim=True))
@@ -107,3 +109,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def uniform(generator: torch.Generator) -> torch.Tensor:
     """One uniform in [0, 1) as a 0-d tensor on the generator's device (a rule's accept test)."""
     return torch.rand((), generator=generator, device=generator.device)
+
+
+def pick_rows(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator]) -> tuple[list[int], torch.Tensor]:
+    """(R, V) logits -> R next tokens and (R, V) their distributions: pick() over rows, row r drawing from
+    generators[r] exactly what pick() draws from it alone (one uniform), so a row's tokens do not depend on its
+    batch. One host read for the R tokens."""
+    q = transform(logits, s)
+    if s.temperature == 0:
+        return argmax(q).tolist(), q
+    u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=q.device) for g in generators])
+    return sample(q, u=u).tolist(), q

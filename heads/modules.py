@@ -65,7 +65,8 @@ class AcceptanceHead(Head):
 
     @torch.inference_mode()
     def inference_fn(self):
-        """A (in_dim,) -> float probability function for decoding one token at a time.
+        """A (in_dim,) -> float probability function for decoding one token at a time; (R, in_dim) -> (R,) array
+        for a batch's rows (decode.batch: one call per draft step serves every row).
 
         At batch 1 a head's cost is per-op dispatch, not arithmetic, so the decode path runs on numpy
         float32 arrays with the normalisation folded into the first layer: a depth-1 head is one dot
@@ -73,23 +74,28 @@ class AcceptanceHead(Head):
         """
         inv = (1.0 / self.std).numpy().astype(np.float32)
         shift = (-self.mean / self.std).numpy().astype(np.float32)
-        layers = [(b.linear.weight.numpy().astype(np.float32), b.linear.bias.numpy().astype(np.float32))
-                  for b in self.blocks]
+        layers = [(b.linear.weight.numpy().astype(np.float32).T.copy(), b.linear.bias.numpy().astype(np.float32))
+                  for b in self.blocks]  # transposed: x @ w reads a row or a batch of rows alike
         w_out, b_out = self.out.weight[0].numpy().astype(np.float32), float(self.out.bias[0])
+
+        def out(x, z):
+            p = 1.0 / (1.0 + np.exp(-(z + b_out)))
+            return float(p) if x.ndim == 1 else p
+
         if not layers:  # fold x * inv + shift into the output layer itself
             w, b = w_out * inv, b_out + float(w_out @ shift)
-            return lambda x: 1.0 / (1.0 + np.exp(-(float(np.asarray(x, dtype=np.float32) @ w) + b)))
+            return lambda x: out(np.asarray(x), np.asarray(x, dtype=np.float32) @ w + (b - b_out))
         w0, b0 = layers[0]
-        w0, b0 = w0 * inv, b0 + w0 @ shift  # the first block's linear reads the raw features
+        w0, b0 = w0 * inv[:, None], b0 + shift @ w0  # the first block's linear reads the raw features
 
-        def prob(x) -> float:
+        def prob(x):
             x = np.asarray(x, dtype=np.float32)
-            z = w0 @ x + b0
+            z = x @ w0 + b0
             h = x * inv + shift + z / (1.0 + np.exp(-z))  # normalised skip + SiLU
             for w, b in layers[1:]:
-                z = w @ h + b
+                z = h @ w + b
                 h = h + z / (1.0 + np.exp(-z))
-            return 1.0 / (1.0 + np.exp(-(float(w_out @ h) + b_out)))
+            return out(x, h @ w_out)
 
         return prob
 

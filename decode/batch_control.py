@@ -1,0 +1,238 @@
+"""Drafting control over a batch (decode.batch): how many candidates each round drafts, for every row at once.
+
+A BatchControl answers three questions a round asks: how many candidates at most (begin: 0 means a plain target
+step), whether to draft on after each candidate (decide, per deciding row), and what verification kept (verified).
+
+    PerRow(policy)        any decode.policies policy, one copy per row (its state is the row's); a head policy's
+                          probabilities come from one head forward over the rows per step
+    BatchSizeK(table)     vLLM's dynamic rule: K by the number of rows still decoding, from a table chosen on dev
+    BatchCostAware(head)  the batch-aware cost-aware controller: drafts on while the rows' expected extra tokens pay
+                          for the extra draft step and the wider verify at this batch size, else stops; falls back to
+                          K = 0 when no K pays (decode.batch_costs measures the tables)
+
+A batch verifies every row at the width of its longest draft, so a row that stops before the others saves nothing:
+the batch-level controllers draft every live row to the batch's K.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from decode import labels as L
+from decode.batch_costs import BatchCosts
+from decode.policies import DraftStep, HeadPolicy, Policy, check_max_len
+
+
+@dataclass
+class RowsStep:
+    """The candidates of the rows deciding now, all at the same index of the round: DraftStep over R rows."""
+
+    index: int
+    rows: list[int]  # their positions in the batch
+    tokens: list[int]
+    q: torch.Tensor  # (R, V) the distributions the candidates were drawn from
+    logits: torch.Tensor  # (R, V) the draft's raw logits behind q
+    hidden_prev: torch.Tensor | None  # (R, H)
+    hidden_own: torch.Tensor | None  # (R, H)
+
+    @functools.cached_property
+    def probs(self) -> torch.Tensor:
+        """(R, V) softmax of the raw logits."""
+        return self.logits.float().softmax(-1)
+
+    @functools.cached_property
+    def confidence(self) -> torch.Tensor:
+        """(R,) the draft's raw probability of each row's candidate."""
+        return self.probs[torch.arange(len(self.rows)), torch.tensor(self.tokens, device=self.probs.device)]
+
+    @functools.cached_property
+    def entropy(self) -> torch.Tensor:
+        return L.entropy(self.probs)
+
+    @functools.cached_property
+    def top1(self) -> torch.Tensor:
+        return self.probs.max(-1).values
+
+    @functools.cached_property
+    def _scalars(self) -> list[tuple[float, float, float]]:
+        return list(zip(self.confidence.tolist(), self.entropy.tolist(), self.top1.tolist()))
+
+    def row(self, j: int) -> DraftStep:
+        """Row j's DraftStep (its scalars read from the batch's one softmax, not one per row)."""
+        step = DraftStep(self.index, self.tokens[j], self.q[j], self.logits[j],
+                         None if self.hidden_prev is None else self.hidden_prev[j],
+                         None if self.hidden_own is None else self.hidden_own[j])
+        c, e, t = self._scalars[j]
+        step.__dict__.update(confidence=c, entropy=e, top1=t)
+        return step
+
+    def head_probs(self, head: HeadPolicy, runs: list[int]) -> np.ndarray:
+        """(R,) the head's probabilities, one forward over the rows; runs: each row's accepted run before the round."""
+        hidden = self.hidden_own if head.features.position == "own" else self.hidden_prev
+        return head.probs(hidden, self.entropy, self.top1, self.confidence, torch.tensor(runs) + self.index)
+
+
+class BatchControl:
+    """The batch decoder's drafting control (see the module docstring)."""
+
+    needs_hidden = False
+    reads_own_state = False
+    needs_batch_costs = False
+
+    def start(self, n: int) -> None:
+        """A request of n rows begins."""
+
+    def begin(self, b: int) -> int:
+        """b rows decode this round -> the most candidates any row drafts (0: no drafting, a plain target step)."""
+        raise NotImplementedError
+
+    def decide(self, step: RowsStep) -> list[bool]:
+        """Each deciding row's candidate at step.index -> draft on (True) or stop, per row of step.rows."""
+        return [True] * len(step.rows)
+
+    def verified(self, accepted: list[int], drafted: list[int]) -> None:
+        """Each row's accepted and drafted counts of the round just verified."""
+
+    def select(self, stay: list[int]) -> None:
+        """Only these rows (positions in the batch) go on, in this order."""
+
+
+class PerRow(BatchControl):
+    """A decode.policies policy per row: the policy is copied for each row, so each copy keeps its row's state."""
+
+    def __init__(self, policy: Policy):
+        if policy.needs_target_peek:
+            raise ValueError(f"{type(policy).__name__} peeks at the target off the books and decodes one sequence "
+                             "at a time: use decode.engine.SpeculativeDecoder")
+        self.policy, self.rows = policy, []
+        self.needs_hidden, self.reads_own_state = policy.needs_hidden, policy.reads_own_state
+
+    def start(self, n):
+        self.rows = [copy.copy(self.policy) for _ in range(n)]
+        for p in self.rows:
+            p.start()
+
+    def begin(self, b):
+        for p in self.rows:
+            p.reset()
+        return self.policy.max_len
+
+    def decide(self, step):
+        if isinstance(self.policy, HeadPolicy):
+            probs = step.head_probs(self.policy, [self.rows[i].run for i in step.rows])
+            return [not self.rows[i].given(float(p)) for i, p in zip(step.rows, probs)]
+        return [not self.rows[i].stop(step.row(j)) for j, i in enumerate(step.rows)]
+
+    def verified(self, accepted, drafted):
+        for p, a, d in zip(self.rows, accepted, drafted):
+            p.verified(a, d)
+
+    def select(self, stay):
+        self.rows = [self.rows[i] for i in stay]
+
+
+class BatchSizeK(BatchControl):
+    """K by the rows still decoding: table maps a batch size to the K used from it up (the largest size at or
+    below the batch's; below every size, the smallest's). K = 0 turns speculation off at that size."""
+
+    def __init__(self, table: dict[int, int]):
+        if not table or any(b < 1 or not 0 <= k <= 64 for b, k in table.items()):
+            raise ValueError(f"BatchSizeK needs {{batch size >= 1: K in 0..64}}, got {table}")
+        self.table = dict(sorted((int(b), int(k)) for b, k in table.items()))
+
+    def begin(self, b):
+        sizes = [s for s in self.table if s <= b] or [min(self.table)]
+        return self.table[sizes[-1]]
+
+
+PRIOR_ROUNDS = 8.0  # the prior weighs as much as 8 rows' rounds: one row's first round cannot turn drafting off
+
+
+class BatchCostAware(HeadPolicy, BatchControl):
+    """The batch-aware cost-aware controller: CostAwareStop's renewal-reward rule with the batch as the unit.
+
+    A round with K candidates per row costs C_K = K * draft(b) + verify(b, K + 1) + realign(b) at batch size b
+    (decode.batch_costs; a plain target step costs verify(b, 1)) and yields the rows' expected tokens E_K = sum over
+    rows of 1 + S_1 + ... + S_K, S_j the row's survival (the product of the head's probabilities). After each
+    candidate the batch drafts on while some j more candidates would raise E - r * C, each row's further acceptances
+    estimated by its last probability, r the long-run rate of the rounds so far. Before a round it drafts only if
+    drafting has paid: the tokens per row its drafted rounds yielded, over their cost at today's batch size (mean
+    candidates per row), beat a plain target step. Realized yield, not the head's probabilities: these are of single
+    candidates, agreement comes in runs, and rounds end where the head expects a rejection. Before any round the
+    acceptance rate of the head's dev labels stands in, as geometric rounds of the best K.
+    """
+
+    needs_batch_costs = True
+
+    def __init__(self, head_dir: str, max_len: int = 8, allow_sampling_mismatch: bool = False):
+        super().__init__(head_dir, allow_sampling_mismatch)
+        self.max_len = check_max_len(max_len)
+        self.costs: BatchCosts | None = None
+        # The prior of the acceptance rate: the head's dev labels' rate (export writes it); see PRIOR_ROUNDS.
+        self.prior = (self.config.get("metrics") or {}).get("positive_rate")
+
+    def set_batch_costs(self, costs: BatchCosts) -> None:
+        self.costs = costs
+
+    def start(self, n):
+        self.run_rows = np.zeros(n, dtype=np.int64)
+        self.tokens = self.spent = self.row_rounds = self.gained = self.drafted = 0.0
+
+    def round_cost(self, b: int, k: int) -> float:
+        d, verify, move = self.costs.at(b)
+        return verify[0] if k == 0 else k * d + verify[k] + move + (d if self.reads_own_state else 0.0)
+
+    def begin(self, b):
+        if self.costs is None:
+            raise ValueError("BatchCostAware has no cost tables: decode with decode.batch.BatchDecoder, which "
+                             "measures them, or call set_batch_costs")
+        self.b, self.k = b, 0
+        self.survive, self.expected = np.ones(b), float(b)
+        n, gain, k = self.row_rounds, self.gained, self.drafted
+        if self.prior is not None:  # the prior as PRIOR_ROUNDS row-rounds of the best fixed K at its rate
+            rates = [sum(self.prior ** j for j in range(k + 1)) / self.round_cost(b, k) for k in range(1, self.max_len + 1)]
+            k0 = 1 + int(np.argmax(rates))
+            n, gain, k = n + PRIOR_ROUNDS, gain + PRIOR_ROUNDS * rates[k0 - 1] * self.round_cost(b, k0), k + PRIOR_ROUNDS * k0
+        if not n:  # nothing known of the acceptance: draft, to learn it
+            return self.max_len
+        mean_k = k / n
+        lo = int(mean_k)
+        cost = self.round_cost(b, lo) + (mean_k - lo) * (self.round_cost(b, min(lo + 1, self.max_len)) - self.round_cost(b, lo))
+        return self.max_len if b * gain / n / cost > b / self.round_cost(b, 0) else 0
+
+    def decide(self, step):
+        a = step.head_probs(self, self.run_rows[step.rows].tolist())
+        self.k = k = step.index + 1
+        self.survive[step.rows] *= a
+        self.expected += float(self.survive[step.rows].sum())
+        rate = self.tokens / self.spent if self.spent else self.expected / self.round_cost(self.b, k)
+        survive, gain, now = self.survive[step.rows].copy(), 0.0, self.round_cost(self.b, k)
+        for j in range(k + 1, self.max_len + 1):
+            survive *= a
+            gain += float(survive.sum())
+            if gain > rate * (self.round_cost(self.b, j) - now):
+                return [True] * len(step.rows)
+        return [False] * len(step.rows)
+
+    def verified(self, accepted, drafted):
+        self.tokens += self.expected
+        self.spent += self.round_cost(self.b, self.k)
+        if self.k:  # a drafted round: its tokens per row and candidates per row join the rate of drafting
+            self.row_rounds += len(accepted)
+            self.gained += sum(accepted) + len(accepted)
+            self.drafted += sum(drafted)
+        for i, (a, d) in enumerate(zip(accepted, drafted)):  # HeadPolicy.verified's run, per row
+            self.run_rows[i] = 0 if a < d else self.run_rows[i] + d + 1
+
+    def select(self, stay):
+        self.run_rows = self.run_rows[stay]
+
+
+def control_of(policy: Policy | BatchControl) -> BatchControl:
+    """A BatchControl as it is, a decode.policies policy one copy per row."""
+    return policy if isinstance(policy, BatchControl) else PerRow(policy)
