@@ -8,11 +8,25 @@ import pytest
 import torch
 
 from decode.batch import BatchAutoregressive, BatchDecoder
+from decode.batch_control import BatchCostAware, BatchSizeK
+from decode.batch_costs import BatchCosts
 from decode.engine import SpeculativeDecoder
-from decode.policies import DraftConfidence, FixedK
+from decode.policies import DraftConfidence, FixedK, SpecDecPP
 from decode.rules import GreedyMatch, SpeculativeSampling
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401  (arch_pairs is a fixture)
-from tests.test_decode import ALPHA, two_token_pvalue
+from tests.test_decode import ALPHA, export_head, two_token_pvalue
+
+EXTRAS = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")
+# Tables that make drafting pay whenever a candidate is ever accepted (drafting and realigning cost nothing), and
+# tables under which it never pays (a draft step costs ten verifications): the controller's two regimes.
+CHEAP = BatchCosts([1, 32], [0.0, 0.0], [[10.0] * 9, [20.0] * 9], [0.0, 0.0])
+DEAR = BatchCosts([1, 32], [100.0, 200.0], [[10.0] * 9, [20.0] * 9], [1.0, 1.0])
+
+
+def controller(head, costs):
+    ctl = BatchCostAware(head)
+    ctl.set_batch_costs(costs)
+    return ctl
 
 
 def ragged(pair, b: int) -> list[list[int]]:
@@ -39,13 +53,22 @@ def assert_rows_equal(pair, prompts, got, want, tag):
 
 
 @pytest.mark.parametrize("family,dtype", MATRIX)
-def test_batched_greedy_rows_equal_the_target_alone_on_the_same_batch(arch_pairs, family, dtype):
+def test_batched_greedy_rows_equal_the_target_alone_on_the_same_batch(arch_pairs, family, dtype, tmp_path):
+    """At B = 1, 3, 8 and 32: fixed K, draft confidence, a head per row (one head forward over the rows per step) and
+    the batch controller in both regimes."""
     pair = no_eos(arch_pairs(family, dtype)[1])
-    for b, policy, rule in ((3, DraftConfidence(0.3), GreedyMatch()), (8, FixedK(3), SpeculativeSampling())):
+    head = export_head(tmp_path, pair, position="prev", extras=EXTRAS, depth=2)
+    for b, policy, rule in ((1, FixedK(3), SpeculativeSampling()), (1, controller(head, CHEAP), GreedyMatch()),
+                            (3, DraftConfidence(0.3), GreedyMatch()), (3, SpecDecPP(head, h=0.5), GreedyMatch()),
+                            (8, FixedK(3), SpeculativeSampling()), (8, controller(head, DEAR), SpeculativeSampling()),
+                            (32, FixedK(2), GreedyMatch()), (32, controller(head, CHEAP), SpeculativeSampling())):
         prompts = ragged(pair, b)
-        want = BatchAutoregressive(pair).generate(prompts, 16)
-        got = BatchDecoder(pair, policy, rule).generate(prompts, 16)
+        want = BatchAutoregressive(pair).generate(prompts, 12)
+        dec = BatchDecoder(pair, policy, rule)
+        got = dec.generate(prompts, 12)
         assert_rows_equal(pair, prompts, got, want, (family, dtype, b, type(policy).__name__))
+        if policy.__class__ is BatchCostAware and policy.costs is DEAR:  # drafts once, to learn, then plain steps
+            assert 0 < dec.stats.drafted <= policy.max_len * b and dec.stats.target_calls == 12
 
 
 def test_batch_of_32_with_eos_and_a_budget_per_row(arch_pairs):
@@ -107,3 +130,37 @@ def test_a_sampled_row_draws_from_its_own_stream_whatever_its_neighbours(arch_pa
         assert alone.tokens == batch[i].tokens
     assert SpeculativeDecoder(pair, FixedK(3), SpeculativeSampling(), seed=5).generate(prompts[0], 16).tokens == \
         batch[0].tokens  # and row 0 is the one-sequence engine's draw for draw
+
+
+def test_the_batch_controller_drafts_while_drafting_pays_and_stops_when_it_does_not(arch_pairs, tmp_path):
+    """A draft that is its own target accepts every candidate. Under CHEAP tables a draft step is free, so every
+    round drafts; under DEAR it never pays, so after the first round (nothing known yet) every round is a plain
+    target step, which is the target alone's work."""
+    pair = no_eos(arch_pairs("llama", "float32")[1])
+    pair = dataclasses.replace(pair, target=pair.draft)
+    head = export_head(tmp_path, pair, position="prev", extras=EXTRAS)
+    prompts = ragged(pair, 8)
+    cheap = BatchDecoder(pair, controller(head, CHEAP), GreedyMatch())
+    cheap.generate(prompts, 12)
+    assert cheap.stats.discarded == 0 and cheap.stats.target_calls < 12 and cheap.stats.drafted >= cheap.stats.rounds
+    dear = BatchDecoder(pair, controller(head, DEAR), GreedyMatch())
+    dear.generate(prompts, 12)
+    assert dear.stats.draft_calls == 1 and dear.stats.drafted == 8  # one candidate per row, then no more drafting
+    assert dear.stats.target_calls == 11  # its candidate accepted, the first round gave two tokens, then one a step
+
+
+def test_batch_size_table_and_cost_interpolation():
+    table = BatchSizeK({1: 4, 8: 2, 64: 0})
+    assert [table.begin(b) for b in (1, 7, 8, 63, 64, 256)] == [4, 4, 2, 2, 0, 0]
+    with pytest.raises(ValueError, match="BatchSizeK"):
+        BatchSizeK({0: 3})
+    d, verify, move = DEAR.at(16)
+    assert d == pytest.approx(100 + 100 * 15 / 31) and verify[0] == pytest.approx(10 + 10 * 15 / 31)
+    assert DEAR.at(1000)[0] == 200.0  # past the largest size measured: its costs
+
+
+def test_batch_costs_are_measured_on_the_decoders_own_caches(tiny_pair):
+    costs = BatchCosts.measure(tiny_pair, [1, 4], prefix=12, max_len=3, repeats=2)
+    assert costs.sizes == [1, 4] and len(costs.verify_ms) == 2 and len(costs.verify_ms[0]) == 4
+    assert all(x > 0 for x in costs.draft_ms + costs.move_ms + [v for row in costs.verify_ms for v in row])
+    assert "batch" in costs.describe()
