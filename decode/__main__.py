@@ -4,6 +4,7 @@
     python -m decode generate --policy FixedK --policy.k 4 --rule FSD --rule.threshold 0.2 --prompt "import os"
     python -m decode bench --config configs/bench/pycode.yaml
     python -m decode compare docs/bench/bench.csv runs/bench2/bench.csv
+    python -m decode batch-bench --config configs/bench/batch.yaml
 
 Policies (decode.policies) and rules (decode.rules) are chosen by class name or class_path,
 with their typed init arguments; `--head DIR` alone means SpecDec++ stopping with that head.
@@ -155,12 +156,20 @@ def main() -> None:
         from decode.evaluation.tuning import main as replay
 
         return replay(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "batch-bench":
+        from decode.evaluation.batch import main as batch_bench
+
+        return batch_bench(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "batch-costs":
+        from decode.batch_costs import main as batch_costs
+
+        return batch_costs(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "summary":
         from decode.evaluation.summary import main as summary
 
         return summary(sys.argv[2:])
     if len(sys.argv) < 2 or sys.argv[1] != "generate":
-        sys.exit("usage: python -m decode {generate,bench,compare,replay,summary} ...  (see python -m decode generate --help)")
+        sys.exit("usage: python -m decode {generate,bench,batch-bench,batch-costs,compare,replay,summary} ...  (see python -m decode generate --help)")
     from jsonargparse import CLI, ArgumentError
 
     try:

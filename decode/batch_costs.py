@@ -93,3 +93,20 @@ def batch_costs(pair: Pair, sizes: list[int], prefix: int = 128, max_len: int = 
     if key not in _CACHE:
         _CACHE[key] = BatchCosts.measure(pair, sizes, prefix, max_len)
     return _CACHE[key]
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+    import json
+
+    from decode.pair import load_pair
+
+    ap = argparse.ArgumentParser(prog="python -m decode batch-costs")
+    ap.add_argument("--pair", default="configs/pairs/pycode.yaml")
+    ap.add_argument("--sizes", type=json.loads, default=[1, 8, 32], help="batch sizes, a JSON list")
+    ap.add_argument("--prefix", type=int, default=80, help="tokens each row holds")
+    ap.add_argument("--max_len", type=int, default=8, help="most candidates per row (verify up to max_len + 1)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(BatchCosts.measure(load_pair(args.pair), args.sizes, args.prefix, args.max_len).describe())

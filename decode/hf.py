@@ -228,3 +228,21 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
     if stop:
         st.t_head = stop.head_s - head_before
     return out, st
+
+
+def hf_generate_batch(pair: Pair, prompts: list[list[int]], n: int, seed: int) -> tuple[list[list[int]], float]:
+    """Hugging Face generate() of the target alone over a left-padded batch -> each row's new tokens (up to and
+    including its EOS) and the wall time. Its assisted generation takes one sequence only, so this is its batch."""
+    width, pad = max(map(len, prompts)), pair.eos_ids[0]
+    x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=pair.input_device("target"))
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=x.device)
+    torch.manual_seed(seed)
+    now = clock(pair.device)
+    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n)
+    t0 = now()
+    try:
+        out = pair.target.generate(x, attention_mask=mask)[:, width:].tolist()
+    finally:
+        pair.target.generation_config = own
+    wall, eos = now() - t0, set(pair.eos_ids)
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out], wall

@@ -17,8 +17,10 @@ def render(tokenizer, text: str, chat_template: bool) -> list[int]:
         templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=False)
         # The template writes its own BOS where the model wants one; do not let the tokenizer add a second.
-        return tokenizer(templated, add_special_tokens=False)["input_ids"]
-    return tokenizer(text, add_special_tokens=True)["input_ids"]
+        return tokenizer(templated, add_special_tokens=False, verbose=False)["input_ids"]
+    # verbose=False: a prompt longer than the model's context is cut by encode(), so the tokenizer's own warning
+    # about it ("Token indices sequence length is longer ...") would be noise
+    return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
 
 
 def frame(tokenizer, chat_template: bool) -> tuple[list[int], list[int]]:

@@ -40,22 +40,29 @@ class SpeculativeSampling(Rule):
     lossless = True
 
     def verify(self, tokens, q, p, gen):
-        if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
-            return greedy_verify(tokens, p)
-        k = len(tokens)
-        rows = torch.arange(k, device=p.device)
-        # Every alpha in one tensor op; the uniforms are still drawn one per token, in order, until a rejection.
-        alphas = L.accept_prob(p[rows, tokens], q[rows, tokens]).tolist()
-        for i, alpha in enumerate(alphas):
-            if uniform(gen).item() >= alpha:
-                return i, int(sample(self.resample(p[i], q[i]), gen))
-        return k, int(sample(p[k], gen))
+        return self.verify_rows([tokens.tolist()], q[:, None], p[None], [gen])[0]
 
     def resample(self, p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
         return L.residual(p_i, q_i)
 
     def verify_rows(self, tokens, q, p, gens):
-        return greedy_rows(tokens, p) if L.one_hot(p) else super().verify_rows(tokens, q, p, gens)
+        """Each row: every alpha in one tensor op, the uniforms drawn one per candidate from the row's own stream,
+        in order, until a rejection; then the correction (or bonus) token. The rows' final draws are one inverse-CDF
+        over the batch, each with the uniform its row's stream gives at that point (as sample() alone draws it)."""
+        if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
+            return greedy_rows(tokens, p)
+        laws, us, accepted = [], [], []
+        for r, t in enumerate(tokens):
+            k = len(t)
+            alphas = []
+            if k:
+                idx, tt = torch.arange(k, device=p.device), torch.tensor(t, device=p.device)
+                alphas = L.accept_prob(p[r, idx, tt], q[idx, r, tt]).tolist()
+            n = next((i for i, alpha in enumerate(alphas) if uniform(gens[r]).item() >= alpha), k)
+            laws.append(p[r, k] if n == k else self.resample(p[r, n], q[n, r]))
+            us.append(torch.rand(1, 1, generator=gens[r], dtype=torch.float64, device=p.device))
+            accepted.append(n)
+        return list(zip(accepted, sample(torch.stack(laws), u=torch.cat(us)).tolist()))
 
 
 def greedy_verify(tokens: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,250 @@
+"""Batched decoding against batch size: throughput, per-row latency and KV memory of every method, greedy and T = 1.
+
+    python -m decode batch-bench --config configs/bench/batch.yaml [--quick true] [--output DIR]
+
+For each sampling setting and batch size B, the test prompts are cut into batches of B (each prompt's last
+prompt_tokens tokens: a padded batch attends over its longest row); every method decodes each batch, back to back
+in an order rotated per batch, from the same row seeds. A method's speedup is the mean over batches of its tok/s
+over our batched target alone on the same batch, with a 95% bootstrap interval over batches (paired).
+
+Methods: the target alone (ours, and Hugging Face generate() on the left-padded batch), fixed K = 1..6, draft
+confidence per row, vLLM's batch-size table (decode.batch_control.BatchSizeK: per B, the best of K = 0..6 on one
+dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the bench's
+batch sizes). The fixed K best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
+Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
+(batch_cache/), so an interrupted run resumes there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from data_gen.prompts import PromptSet
+from decode.batch import BatchAutoregressive, BatchDecoder
+from decode.batch_control import BatchCostAware, BatchSizeK
+from decode.batch_costs import batch_costs
+from decode.evaluation.intervals import bootstrap_ci
+from decode.evaluation.report import pyplot
+from decode.hf import hf_generate_batch
+from decode.pair import Pair, Sampling, load_pair
+from decode.policies import DraftConfidence, FixedK
+from decode.rules import SpeculativeSampling
+
+COLUMNS = ["prompts", "setting", "batch_size", "method", "tokens_per_s", "speedup", "lo", "hi",
+           "row_latency_s", "peak_kv_mib", "batches", "note"]
+
+
+@dataclass
+class BatchBenchConfig:
+    """The YAML's schema (configs/bench/batch.yaml)."""
+
+    pair: str = "configs/pairs/pycode.yaml"
+    test: dict = field(default_factory=lambda: {"name": "pycode", "split": "test"})
+    dev: dict = field(default_factory=lambda: {"name": "pycode", "split": "dev"})
+    settings: list[dict] = field(default_factory=lambda: [{"temperature": 0.0}, {"temperature": 1.0}])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 128, 256])
+    repeats: dict[int, int] = field(default_factory=dict)  # batches per size on test (default 2)
+    fixed_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    confidence: float = 0.4
+    head: str = "checkpoints/specdecpp-prev{suffix}"  # {suffix}: "" at T = 1, "-greedy", ...
+    max_new_tokens: int = 32
+    prompt_tokens: int = 64
+    threads: int = 2
+    seed: int = 0
+    output: str = "docs/bench"
+
+
+def suffix(s: Sampling) -> str:
+    """The head folder suffix of a setting: the pair's own T = 1 has none (heads/README's naming)."""
+    return "" if s.name == "t1" else f"-{s.name}"
+
+
+def batches(prompts: list[list[int]], b: int, count: int) -> list[list[list[int]]]:
+    """count batches of b consecutive prompts (wrapping around when the set is short)."""
+    return [[prompts[(i * b + j) % len(prompts)] for j in range(b)] for i in range(count)]
+
+
+def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, sizes: list[int]) -> dict:
+    """name -> run(batch, seed) -> (tokens per row, wall s, per-row latency s, peak KV bytes or None)."""
+    def ours(make):
+        def run(batch, seed):
+            dec = make(seed)
+            gens = dec.generate(batch, cfg.max_new_tokens)
+            return [g.tokens for g in gens], dec.stats.wall, float(np.mean([g.stats.wall for g in gens])), dec.peak_bytes
+        return run
+
+    def hf(batch, seed):
+        tokens, wall = hf_generate_batch(pair, batch, cfg.max_new_tokens, seed)
+        return tokens, wall, wall, None
+
+    rule = SpeculativeSampling()
+    out = {"target": ours(lambda seed: BatchAutoregressive(pair, seed=seed))}
+    out |= {f"SD K={k}": ours(lambda seed, k=k: BatchDecoder(pair, FixedK(k), rule, seed)) for k in cfg.fixed_k}
+    if table is None:  # the dev pass: what the table and the single best K are chosen from
+        return out
+    head = cfg.head.format(suffix=suffix(pair.config.sampling))
+    ctl = BatchCostAware(head)  # one instance: its head loads once, its cost tables are measured once
+    ctl.bind(pair.identity("draft"), pair.config.sampling)
+    typical = min(cfg.prompt_tokens, 64) + cfg.max_new_tokens // 2
+    ctl.set_batch_costs(batch_costs(pair, sizes, prefix=typical, max_len=ctl.max_len))
+    out |= {"HF generate (padded)": hf,
+            f"draft confidence {cfg.confidence}": ours(lambda seed: BatchDecoder(pair, DraftConfidence(cfg.confidence), rule, seed)),
+            "batch-size table (dev)": ours(lambda seed: BatchDecoder(pair, BatchSizeK(table), rule, seed)),
+            "batch controller": ours(lambda seed: BatchDecoder(pair, ctl, rule, seed))}
+    return out
+
+
+def measure(pair: Pair, methods: dict, groups: list[list[list[int]]], seed: int, label: str) -> dict[str, list]:
+    """name -> per batch (tok/s, row latency s, peak KV bytes); methods interleaved, order rotated per batch."""
+    names, res = list(methods), {m: [] for m in methods}
+    for i, batch in enumerate(groups):
+        t0 = time.perf_counter()
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            tokens, wall, latency, peak = methods[name](batch, seed + 1000 * i)
+            res[name].append((sum(map(len, tokens)) / max(wall, 1e-9), latency, peak))
+        print(f"batch-bench {label}: batch {i + 1}/{len(groups)} of {len(batch)} rows, {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    return res
+
+
+def summarise(res: dict[str, list], prompts: str, setting: str, b: int, notes: dict[str, str]) -> list[dict]:
+    base = np.array([x[0] for x in res["target"]])
+    rows = []
+    for name, runs in res.items():
+        ratios = np.array([x[0] for x in runs]) / base
+        lo, hi = bootstrap_ci(ratios[:, None]) if len(ratios) > 1 else (float(ratios[0]),) * 2
+        peaks = [x[2] for x in runs if x[2] is not None]
+        rows.append({"prompts": prompts, "setting": setting, "batch_size": b, "method": name,
+                     "tokens_per_s": float(np.mean([x[0] for x in runs])), "speedup": float(ratios.mean()),
+                     "lo": lo, "hi": hi, "row_latency_s": float(np.mean([x[1] for x in runs])),
+                     "peak_kv_mib": max(peaks) / 2 ** 20 if peaks else None, "batches": len(runs),
+                     "note": notes.get(name, "")})
+    return rows
+
+
+def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache: Path, setting: str):
+    """-> ({B: best K in 0..max, 0 being the target alone}, the single K best over all sizes), from one dev batch per
+    size (four at B = 1), timed like the test batches."""
+    path = cache / f"dev_{setting}.json"
+    if path.exists():
+        got = json.loads(path.read_text())
+        return {int(b): k for b, k in got["table"].items()}, got["single"]
+    speed: dict[int, dict[int, float]] = {}
+    for b in cfg.batch_sizes:
+        res = measure(pair, runners(pair, cfg, None, cfg.batch_sizes), batches(dev, b, 4 if b == 1 else 1),
+                      cfg.seed + 7, f"dev {setting} B={b}")
+        base = np.array([x[0] for x in res["target"]])
+        speed[b] = {0: 1.0} | {k: float(np.mean(np.array([x[0] for x in res[f"SD K={k}"]]) / base)) for k in cfg.fixed_k}
+    table = {b: max(s, key=s.get) for b, s in speed.items()}
+    single = max(cfg.fixed_k, key=lambda k: float(np.mean([np.log(speed[b][k]) for b in speed])))
+    path.write_text(json.dumps({"table": table, "single": single, "speedups": speed}))
+    return table, single
+
+
+def run(config: str, quick: bool = False, output: str | None = None) -> list[dict]:
+    """Every setting and batch size of the config; prints the table and writes csv, markdown and the plot."""
+    cfg = BatchBenchConfig(**(yaml.safe_load(Path(config).read_text()) or {}))
+    if quick:  # minutes: two sizes, one batch each, three Ks
+        cfg.batch_sizes, cfg.repeats, cfg.fixed_k = [1, 8], {1: 2, 8: 1}, [1, 2, 4]
+    out_dir = Path(output or cfg.output)
+    cache = out_dir / ("batch_cache_quick" if quick else "batch_cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    base = load_pair(cfg.pair)
+    t_start, rows = time.perf_counter(), []
+    for raw in cfg.settings:
+        pair = base.with_sampling(**raw)
+        setting = pair.config.sampling.name
+
+        def encode(spec):
+            return [pair.encode(r["prompt"], max_tokens=cfg.prompt_tokens) for r in PromptSet(**spec).load()]
+
+        test, dev = encode(cfg.test), encode(cfg.dev)
+        table, single = choose_on_dev(pair, cfg, dev, cache, setting)
+        print(f"batch-bench {setting}: dev chose the table {table} and the single K = {single}", flush=True)
+        methods = runners(pair, cfg, table, cfg.batch_sizes)
+        for b in cfg.batch_sizes:
+            path = cache / f"{setting}_b{b}.json"
+            if not path.exists():
+                groups = batches(test, b, cfg.repeats.get(b, 2))
+                res = measure(pair, methods, groups, cfg.seed, f"{setting} B={b}")
+                notes = {f"SD K={single}": "the single K best over all sizes on dev",
+                         "batch-size table (dev)": f"K = {BatchSizeK(table).begin(b)} at this size"}
+                path.write_text(json.dumps(summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes)))
+            rows += json.loads(path.read_text())
+    write(rows, out_dir, quick)
+    print(f"batch bench took {(time.perf_counter() - t_start) / 60:.1f} min; {out_dir}/batch.csv, batch.md, batch_speedup.png")
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per setting: methods down, batch sizes across, speedup [interval]; tok/s and KV memory below."""
+    lines = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        sub = [r for r in rows if r["setting"] == setting]
+        sizes = sorted({r["batch_size"] for r in sub})
+        cell = {(r["method"], r["batch_size"]): r for r in sub}
+        lines += [f"### {sub[0]['prompts']}, {setting}: speedup over our batched target alone [95% interval]", "",
+                  "| method | " + " | ".join(f"B = {b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for m in dict.fromkeys(r["method"] for r in sub):
+            cells = [cell.get((m, b)) for b in sizes]
+            lines.append(f"| {m} | " + " | ".join("-" if c is None else f"{c['speedup']:.2f}x [{c['lo']:.2f}, {c['hi']:.2f}]"
+                                                   for c in cells) + " |")
+        target = [cell[("target", b)] for b in sizes]
+        lines += ["", "target alone: " + ", ".join(f"B = {t['batch_size']} {t['tokens_per_s']:.0f} tok/s, row latency "
+                                                   f"{t['row_latency_s']:.2f} s, peak KV {t['peak_kv_mib']:.0f} MiB"
+                                                   for t in target)]
+        notes = sorted({f"{r['method']} at B = {r['batch_size']}: {r['note']}" for r in sub if r["note"]})
+        lines += [""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def write(rows: list[dict], out_dir: Path, quick: bool) -> None:
+    stem = "batch_quick" if quick else "batch"
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    md = markdown(rows)
+    (out_dir / f"{stem}.md").write_text(md)
+    print(md)
+    plt = pyplot()
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        sub = [r for r in rows if r["setting"] == setting]
+        for m in dict.fromkeys(r["method"] for r in sub):
+            pts = sorted((r["batch_size"], r["speedup"], r["lo"], r["hi"]) for r in sub if r["method"] == m)
+            b, s, lo, hi = map(np.array, zip(*pts))
+            bold = m in ("batch controller", "batch-size table (dev)")
+            ax.errorbar(b, s, yerr=[s - lo, hi - s], marker="o", capsize=2, label=m, lw=2.2 if bold else 1,
+                        alpha=1 if bold or not m.startswith("SD") else 0.5)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup over the batched target alone")
+        ax.set_title(f"{sub[0]['prompts']}, {setting}")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{stem}_speedup.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m decode batch-bench")
+    ap.add_argument("--config", default="configs/bench/batch.yaml", help="batch bench YAML")
+    ap.add_argument("--quick", type=lambda v: v.lower() in ("1", "true", "yes"), default=False,
+                    help="B = 1 and 8, one batch each, K = 1, 2, 4 (minutes)")
+    ap.add_argument("--output", default=None, help="output folder (default: the YAML's)")
+    args = ap.parse_args(argv)
+    run(args.config, quick=args.quick, output=args.output)
