@@ -76,6 +76,7 @@ class BatchDecoder:
         ends = [0.0] * n
         ctl.start(n)
         while rows:
+            t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(out[r]), ctx - len(committed[r]) - 2)) for r in rows]
             k_max = min(ctl.begin(len(rows)), max(limits))
             tokens, q, read = self._draft(draft, rows, committed, pending, gens, limits, k_max, stats)
@@ -113,6 +114,7 @@ class BatchDecoder:
                 draft.select(torch.tensor(stay, dtype=torch.long))
                 ctl.select(stay)
                 rows = [rows[i] for i in stay]
+            ctl.timed(1e3 * (self.now() - t_round))
         stats.new_tokens, stats.wall, stats.calls = sum(map(len, out)), self.now() - t_start, calls
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
         self.peak_bytes = draft.peak_bytes + target.peak_bytes

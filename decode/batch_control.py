@@ -101,6 +101,9 @@ class BatchControl:
     def select(self, stay: list[int]) -> None:
         """Only these rows (positions in the batch) go on, in this order."""
 
+    def timed(self, ms: float) -> None:
+        """The wall time of the round just finished (verification, realignment and leaving rows included)."""
+
 
 class PerRow(BatchControl):
     """A decode.policies policy per row: the policy is copied for each row, so each copy keeps its row's state."""
@@ -164,7 +167,9 @@ class BatchCostAware(HeadPolicy, BatchControl):
     drafting has paid: the tokens per row its drafted rounds yielded, over their cost at today's batch size (mean
     candidates per row), beat a plain target step. Realized yield, not the head's probabilities: these are of single
     candidates, agreement comes in runs, and rounds end where the head expects a rejection. Before any round the
-    acceptance rate of the head's dev labels stands in, as geometric rounds of the best K.
+    acceptance rate of the head's dev labels stands in, as geometric rounds of the best K. Both sides of that test are
+    priced by the tables times what the request's rounds of that kind measured against them (factor): the tables time
+    forwards and realignment, not the rows' bookkeeping, filler or rows leaving the batch.
     """
 
     needs_batch_costs = True
@@ -182,6 +187,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
     def start(self, n):
         self.run_rows = np.zeros(n, dtype=np.int64)
         self.tokens = self.spent = self.row_rounds = self.gained = self.drafted = 0.0
+        self.measured, self.predicted = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}
+        self.first = True  # the first drafted round also reads the prompts into the draft: not a typical round
 
     def round_cost(self, b: int, k: int) -> float:
         d, verify, move = self.costs.at(b)
@@ -203,7 +210,21 @@ class BatchCostAware(HeadPolicy, BatchControl):
         mean_k = k / n
         lo = int(mean_k)
         cost = self.round_cost(b, lo) + (mean_k - lo) * (self.round_cost(b, min(lo + 1, self.max_len)) - self.round_cost(b, lo))
-        return self.max_len if b * gain / n / cost > b / self.round_cost(b, 0) else 0
+        return self.max_len if b * gain / n / (cost * self.factor(True, b)) > b / (self.round_cost(b, 0) * self.factor(False, b)) else 0
+
+    def factor(self, drafted: bool, b: int) -> float:
+        """Measured over predicted time of the request's rounds of this kind (drafted or plain), starting at 1 with the
+        weight of PRIOR_ROUNDS rounds: what the tables do not price (the rows' Python work, filler, rows leaving)."""
+        c = PRIOR_ROUNDS * self.round_cost(b, 1)
+        return (self.measured[drafted] + c) / (self.predicted[drafted] + c)
+
+    def timed(self, ms):
+        drafted = self.k > 0
+        if drafted and self.first:
+            self.first = False
+            return
+        self.measured[drafted] += ms
+        self.predicted[drafted] += self.round_cost(self.b, self.k)
 
     def decide(self, step):
         a = step.head_probs(self, self.run_rows[step.rows].tolist())

@@ -128,7 +128,7 @@ def summarise(res: dict[str, list], prompts: str, setting: str, b: int, notes: d
                      "tokens_per_s": float(np.mean([x[0] for x in runs])), "speedup": float(ratios.mean()),
                      "lo": lo, "hi": hi, "row_latency_s": float(np.mean([x[1] for x in runs])),
                      "peak_kv_mib": max(peaks) / 2 ** 20 if peaks else None, "batches": len(runs),
-                     "note": notes.get(name, "")})
+                     "note": notes.get(name, ""), "per_batch": [x[0] for x in runs]})
     return rows
 
 
@@ -205,14 +205,37 @@ def markdown(rows: list[dict]) -> str:
                                                    f"{t['row_latency_s']:.2f} s, peak KV {t['peak_kv_mib']:.0f} MiB"
                                                    for t in target)]
         notes = sorted({f"{r['method']} at B = {r['batch_size']}: {r['note']}" for r in sub if r["note"]})
-        lines += [""] + [f"- {n}" for n in notes] + [""]
+        lines += [""] + [f"- {n}" for n in notes] + ["", paired(sub, sizes), ""]
+    return "\n".join(lines)
+
+
+def paired(sub: list[dict], sizes: list[int]) -> str:
+    """The batch controller against the baselines a user would pick, per batch size: the ratio of tok/s on the same
+    batches (mean over batches, 95% bootstrap interval)."""
+    cell = {(r["method"], r["batch_size"]): r for r in sub}
+    single = next((r["method"] for r in sub if r["note"].startswith("the single K")), None)
+    lines = ["| batch controller over | " + " | ".join(f"B = {b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for label in ("best fixed K at this size (hindsight)", f"{single} (one K for all sizes, dev)",
+                  "batch-size table (dev)", "draft confidence", "target"):
+        cells = []
+        for b in sizes:
+            ctl = np.array(cell[("batch controller", b)]["per_batch"])
+            if label.startswith("best"):
+                name = max((m for m, bb in cell if bb == b and m.startswith("SD K=")), key=lambda m: cell[(m, b)]["speedup"])
+            else:
+                name = next(m for m, bb in cell if bb == b and m.startswith(label.split(" (")[0]))
+            ratios = ctl / np.array(cell[(name, b)]["per_batch"])
+            lo, hi = bootstrap_ci(ratios[:, None]) if len(ratios) > 1 else (float(ratios[0]),) * 2
+            tag = f" ({name.removeprefix('SD ')})" if label.startswith("best") else ""
+            cells.append(f"{ratios.mean():.2f}x [{lo:.2f}, {hi:.2f}]{tag}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def write(rows: list[dict], out_dir: Path, quick: bool) -> None:
     stem = "batch_quick" if quick else "batch"
     with open(out_dir / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     md = markdown(rows)
