@@ -40,7 +40,22 @@ def recipe_heads() -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "bench").glob("*.yaml")), ids=lambda p: p.stem)
+SECTION_BENCHES = sorted(p for p in (ROOT / "configs" / "bench").glob("*.yaml") if p.name != "batch.yaml")
+
+
+def test_the_batch_bench_config_is_its_schema_and_names_existing_heads():
+    """configs/bench/batch.yaml parses into decode.evaluation.batch's typed schema; every setting has its head."""
+    from decode.evaluation.batch import BatchBenchConfig, suffix
+    from decode.pair import Sampling
+
+    cfg = BatchBenchConfig(**yaml.safe_load((ROOT / "configs" / "bench" / "batch.yaml").read_text()))
+    assert cfg.batch_sizes == sorted(cfg.batch_sizes) and all(b >= 1 for b in cfg.batch_sizes)
+    for raw in cfg.settings:
+        head = ROOT / cfg.head.format(suffix=suffix(Sampling.of(raw)))
+        assert (head / "config.json").exists(), head
+
+
+@pytest.mark.parametrize("path", SECTION_BENCHES, ids=lambda p: p.stem)
 def test_bench_configs_name_real_classes_arguments_and_heads(path):
     from decode.pair import PairConfig, Sampling
 
