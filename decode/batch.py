@@ -129,7 +129,7 @@ class BatchDecoder:
         tokens: list[list[int]] = [[] for _ in rows]
         if k_max == 0:  # a plain target step: the draft reads the text later, when a round drafts
             return tokens, None, draft.length.tolist()
-        s, own, ctl = self.pair.config.sampling, self.control.reads_own_state, self.control
+        s, own = self.pair.config.sampling, self.control.reads_own_state
         row_gens = [gens[r] for r in rows]
         unread = [committed[r][int(x):] + [pending[r]] for r, x in zip(rows, draft.length)]
         t0 = self.now()

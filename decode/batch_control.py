@@ -190,32 +190,35 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.measured, self.predicted = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}
         self.first = True  # the first drafted round also reads the prompts into the draft: not a typical round
 
-    def round_cost(self, b: int, k: int) -> float:
+    def round_costs(self, b: int) -> list[float]:
+        """C_0 .. C_max_len at batch size b: C_0 a plain target step, C_k a round of k candidates per row."""
         d, verify, move = self.costs.at(b)
-        return verify[0] if k == 0 else k * d + verify[k] + move + (d if self.reads_own_state else 0.0)
+        own = d if self.reads_own_state else 0.0
+        return [verify[0]] + [k * d + verify[k] + move + own for k in range(1, self.max_len + 1)]
 
     def begin(self, b):
         if self.costs is None:
             raise ValueError("BatchCostAware has no cost tables: decode with decode.batch.BatchDecoder, which "
                              "measures them, or call set_batch_costs")
-        self.b, self.k = b, 0
+        self.b, self.k, self.c = b, 0, self.round_costs(b)  # the round's costs, interpolated once
+        c = self.c
         self.survive, self.expected = np.ones(b), float(b)
-        n, gain, k = self.row_rounds, self.gained, self.drafted
+        n, gain, cands = self.row_rounds, self.gained, self.drafted
         if self.prior is not None:  # the prior as PRIOR_ROUNDS row-rounds of the best fixed K at its rate
-            rates = [sum(self.prior ** j for j in range(k + 1)) / self.round_cost(b, k) for k in range(1, self.max_len + 1)]
+            rates = [sum(self.prior ** j for j in range(k + 1)) / c[k] for k in range(1, self.max_len + 1)]
             k0 = 1 + int(np.argmax(rates))
-            n, gain, k = n + PRIOR_ROUNDS, gain + PRIOR_ROUNDS * rates[k0 - 1] * self.round_cost(b, k0), k + PRIOR_ROUNDS * k0
+            n, gain, cands = n + PRIOR_ROUNDS, gain + PRIOR_ROUNDS * rates[k0 - 1] * c[k0], cands + PRIOR_ROUNDS * k0
         if not n:  # nothing known of the acceptance: draft, to learn it
             return self.max_len
-        mean_k = k / n
+        mean_k = cands / n
         lo = int(mean_k)
-        cost = self.round_cost(b, lo) + (mean_k - lo) * (self.round_cost(b, min(lo + 1, self.max_len)) - self.round_cost(b, lo))
-        return self.max_len if b * gain / n / (cost * self.factor(True, b)) > b / (self.round_cost(b, 0) * self.factor(False, b)) else 0
+        cost = c[lo] + (mean_k - lo) * (c[min(lo + 1, self.max_len)] - c[lo])
+        return self.max_len if b * gain / n / (cost * self.factor(True)) > b / (c[0] * self.factor(False)) else 0
 
-    def factor(self, drafted: bool, b: int) -> float:
+    def factor(self, drafted: bool) -> float:
         """Measured over predicted time of the request's rounds of this kind (drafted or plain), starting at 1 with the
         weight of PRIOR_ROUNDS rounds: what the tables do not price (the rows' Python work, filler, rows leaving)."""
-        c = PRIOR_ROUNDS * self.round_cost(b, 1)
+        c = PRIOR_ROUNDS * self.c[1]
         return (self.measured[drafted] + c) / (self.predicted[drafted] + c)
 
     def timed(self, ms):
@@ -224,25 +227,25 @@ class BatchCostAware(HeadPolicy, BatchControl):
             self.first = False
             return
         self.measured[drafted] += ms
-        self.predicted[drafted] += self.round_cost(self.b, self.k)
+        self.predicted[drafted] += self.c[self.k]
 
     def decide(self, step):
         a = step.head_probs(self, self.run_rows[step.rows].tolist())
         self.k = k = step.index + 1
         self.survive[step.rows] *= a
         self.expected += float(self.survive[step.rows].sum())
-        rate = self.tokens / self.spent if self.spent else self.expected / self.round_cost(self.b, k)
-        survive, gain, now = self.survive[step.rows].copy(), 0.0, self.round_cost(self.b, k)
+        rate = self.tokens / self.spent if self.spent else self.expected / self.c[k]
+        survive, gain = self.survive[step.rows].copy(), 0.0
         for j in range(k + 1, self.max_len + 1):
             survive *= a
             gain += float(survive.sum())
-            if gain > rate * (self.round_cost(self.b, j) - now):
+            if gain > rate * (self.c[j] - self.c[k]):
                 return [True] * len(step.rows)
         return [False] * len(step.rows)
 
     def verified(self, accepted, drafted):
         self.tokens += self.expected
-        self.spent += self.round_cost(self.b, self.k)
+        self.spent += self.c[self.k]
         if self.k:  # a drafted round: its tokens per row and candidates per row join the rate of drafting
             self.row_rounds += len(accepted)
             self.gained += sum(accepted) + len(accepted)

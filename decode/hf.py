@@ -14,6 +14,7 @@ tests/test_hf.py fails loudly if a transformers release stops doing so.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -180,6 +181,18 @@ def clean_config(pair: Pair, n: int) -> GenerationConfig:
     return GenerationConfig(**fields)
 
 
+@contextlib.contextmanager
+def clean_generation(pair: Pair, n: int):
+    """The target's generation config is clean_config(pair, n) inside. generate() fills every field a passed config
+    leaves unset from the model's own generation config, so the clean config stands in for the model's for the
+    call instead of being passed beside it."""
+    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n)
+    try:
+        yield
+    finally:
+        pair.target.generation_config = own
+
+
 def head_assistant(pair: Pair, hf: dict):
     """The assistant of an {'head': dir, 'h': h} method, or None: built once, so the head loads once."""
     if "head" not in hf:
@@ -217,13 +230,8 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
     x = torch.tensor([ids], device=pair.input_device("target"))
     now = clock(pair.device)
     t0 = now()
-    # generate() fills every field a passed config leaves unset from the model's own generation config, so
-    # the clean config stands in for the model's for the call instead of being passed beside it.
-    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n)
-    try:
+    with clean_generation(pair, n):
         out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
-    finally:
-        pair.target.generation_config = own
     st = Stats(new_tokens=len(out), wall=now() - t0)
     if stop:
         st.t_head = stop.head_s - head_before
@@ -238,11 +246,8 @@ def hf_generate_batch(pair: Pair, prompts: list[list[int]], n: int, seed: int) -
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=x.device)
     torch.manual_seed(seed)
     now = clock(pair.device)
-    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n)
     t0 = now()
-    try:
+    with clean_generation(pair, n):
         out = pair.target.generate(x, attention_mask=mask)[:, width:].tolist()
-    finally:
-        pair.target.generation_config = own
     wall, eos = now() - t0, set(pair.eos_ids)
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out], wall

@@ -175,23 +175,28 @@ class HeadPolicy(Policy):
 
     @torch.no_grad()
     def prob(self, step: DraftStep) -> float:
-        # The head runs in numpy on the CPU (its cost at batch 1 is dispatch): its inputs are taken there explicitly.
-        hidden = (step.hidden_own if self.features.position == "own" else step.hidden_prev).float().cpu()
-        if self.features.extras:  # the run before candidate i assumes candidates 0..i-1 accepted, as the rule does
-            scalars = (step.entropy, step.top1, step.confidence)
-            hidden = self.features.build(hidden, *(torch.tensor(x) for x in scalars),
-                                         accepted_run=torch.tensor(self.run + step.index))
-        return self.fast_prob(hidden.numpy())
+        hidden = step.hidden_own if self.features.position == "own" else step.hidden_prev
+        if not self.features.extras:  # no scalars to build (batch 1 pays per tensor made)
+            return self.fast_prob(self.inputs(hidden))
+        scalars = (torch.tensor(x) for x in (step.entropy, step.top1, step.confidence))
+        return self.fast_prob(self.inputs(hidden, *scalars, torch.tensor(self.run + step.index)))
 
-    @torch.no_grad()
     def probs(self, hidden: torch.Tensor, entropy: torch.Tensor, top1: torch.Tensor, confidence: torch.Tensor,
               runs: torch.Tensor) -> np.ndarray:
         """prob() over R rows in one head forward (decode.batch): (R, H) states, (R,) scalars and accepted runs
         before each row's candidate -> (R,) probabilities."""
+        return np.atleast_1d(self.fast_prob(self.inputs(hidden, entropy.cpu(), top1.cpu(), confidence.cpu(), runs)))
+
+    @torch.no_grad()
+    def inputs(self, hidden: torch.Tensor, entropy: torch.Tensor | None = None, top1: torch.Tensor | None = None,
+               confidence: torch.Tensor | None = None, run: torch.Tensor | None = None) -> np.ndarray:
+        """(..., H) state and (...) scalars -> (..., F) the head's input as a numpy array. The head runs in numpy on
+        the CPU (its cost at batch 1 is dispatch): its inputs are taken there explicitly. The accepted run before
+        candidate i assumes candidates 0..i-1 accepted, as the rule does."""
         hidden = hidden.float().cpu()
         if self.features.extras:
-            hidden = self.features.build(hidden, entropy.cpu(), top1.cpu(), confidence.cpu(), accepted_run=runs)
-        return np.atleast_1d(self.fast_prob(hidden.numpy()))
+            hidden = self.features.build(hidden, entropy, top1, confidence, accepted_run=run)
+        return hidden.numpy()
 
     def stop(self, step):
         return self.given(self.prob(step))

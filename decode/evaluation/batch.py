@@ -63,6 +63,11 @@ class BatchBenchConfig:
     output: str = "docs/bench"
 
 
+def encode(pair: Pair, spec: dict, tokens: int) -> list[list[int]]:
+    """A prompt set's prompts as ids, each its last `tokens` tokens."""
+    return [pair.encode(r["prompt"], max_tokens=tokens) for r in PromptSet(**spec).load()]
+
+
 def suffix(s: Sampling) -> str:
     """The head folder suffix of a setting: the pair's own T = 1 has none (heads/README's naming)."""
     return "" if s.name == "t1" else f"-{s.name}"
@@ -166,10 +171,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
         pair = base.with_sampling(**raw)
         setting = pair.config.sampling.name
 
-        def encode(spec):
-            return [pair.encode(r["prompt"], max_tokens=cfg.prompt_tokens) for r in PromptSet(**spec).load()]
-
-        test, dev = encode(cfg.test), encode(cfg.dev)
+        test, dev = (encode(pair, spec, cfg.prompt_tokens) for spec in (cfg.test, cfg.dev))
         table, single = choose_on_dev(pair, cfg, dev, cache, setting)
         print(f"batch-bench {setting}: dev chose the table {table} and the single K = {single}", flush=True)
         methods = None  # built on first need: a finished run only rewrites its outputs
