@@ -241,30 +241,14 @@ class SpecDecPP(HeadPolicy):
         return 1.0 - self.survive > self.h
 
 
-class CostAwareStop(HeadPolicy):
-    """Stop when drafting on is worth less than it costs, from the head's (calibrated) probabilities and the
-    step costs of the machine, with no tuned threshold.
-
-    After candidates 1..k with acceptance probabilities a_1..a_k and survival S_k = a_1 ... a_k, the round is
-    expected to yield E_k = 1 + S_1 + ... + S_k tokens for C_k = k * draft_ms + verify_ms[k] (the target
-    verifying k + 1 tokens). Rounds repeat, so the rate to maximise is the long-run one, tokens over time across
-    rounds (a renewal-reward ratio r): a round should end where E_k - r * C_k is largest. Drafting goes on while
-    some j more candidates would raise it, their acceptances estimated by the last one's (a_k). With a verify
-    cost linear in the tokens, one step ahead decides; a measured verify cost is not linear (on CPUs some sizes
-    run faster than smaller ones), so the rule looks to the end of max_len. r is estimated as the expected
-    tokens over the cost of the rounds so far (the current round's own rate in the first). Costs left None are
-    measured once per pair by the decoder (decode.costs.measure_costs); h, when given, replaces the rule by SpecDec++'s
-    threshold.
-    """
+class RenewalStop(Policy):
+    """The cost-aware stop's rule, fed any acceptance probability: CostAwareStop feeds a head's, the perfect head
+    (decode.evaluation.ceilings) the true one. Subclasses say where the probability comes from (stop)."""
 
     needs_costs = True
 
-    def __init__(self, head_dir: str, draft_ms: float | None = None, target_ms: float | None = None,
-                 per_token_ms: float | None = None, h: float | None = None, max_len: int = 20,
-                 allow_sampling_mismatch: bool = False):
-        """draft_ms, target_ms, per_token_ms: the machine's costs as a line (verifying n tokens costs target_ms +
-        (n - 1) * per_token_ms), instead of the decoder's measurement."""
-        super().__init__(head_dir, allow_sampling_mismatch)
+    def __init__(self, draft_ms: float | None = None, target_ms: float | None = None,
+                 per_token_ms: float | None = None, h: float | None = None, max_len: int = 20):
         if h is not None:
             check_unit("h", h, open_ends=True)
         costs = (draft_ms, target_ms, per_token_ms)
@@ -306,8 +290,8 @@ class CostAwareStop(HeadPolicy):
         if self.h is not None:
             return 1.0 - self.survive > self.h
         if self.costs is None:
-            raise ValueError("CostAwareStop has no step costs: give draft_ms, target_ms and per_token_ms, or decode "
-                             "with SpeculativeDecoder, which measures them")
+            raise ValueError(f"{type(self).__name__} has no step costs: give draft_ms, target_ms and per_token_ms, "
+                             "or decode with SpeculativeDecoder, which measures them")
         k, gain, survive = self.k, 0.0, self.survive
         rate = self.tokens / self.spent if self.spent else self.expected / self.cost(k)
         now = self.cost(k)
@@ -317,6 +301,31 @@ class CostAwareStop(HeadPolicy):
             if gain > rate * (self.cost(j) - now):
                 return False
         return True
+
+
+class CostAwareStop(RenewalStop, HeadPolicy):
+    """Stop when drafting on is worth less than it costs, from the head's (calibrated) probabilities and the
+    step costs of the machine, with no tuned threshold.
+
+    After candidates 1..k with acceptance probabilities a_1..a_k and survival S_k = a_1 ... a_k, the round is
+    expected to yield E_k = 1 + S_1 + ... + S_k tokens for C_k = k * draft_ms + verify_ms[k] (the target
+    verifying k + 1 tokens). Rounds repeat, so the rate to maximise is the long-run one, tokens over time across
+    rounds (a renewal-reward ratio r): a round should end where E_k - r * C_k is largest. Drafting goes on while
+    some j more candidates would raise it, their acceptances estimated by the last one's (a_k). With a verify
+    cost linear in the tokens, one step ahead decides; a measured verify cost is not linear (on CPUs some sizes
+    run faster than smaller ones), so the rule looks to the end of max_len. r is estimated as the expected
+    tokens over the cost of the rounds so far (the current round's own rate in the first). Costs left None are
+    measured once per pair by the decoder (decode.costs.measure_costs); h, when given, replaces the rule by SpecDec++'s
+    threshold.
+    """
+
+    def __init__(self, head_dir: str, draft_ms: float | None = None, target_ms: float | None = None,
+                 per_token_ms: float | None = None, h: float | None = None, max_len: int = 20,
+                 allow_sampling_mismatch: bool = False):
+        """draft_ms, target_ms, per_token_ms: the machine's costs as a line (verifying n tokens costs target_ms +
+        (n - 1) * per_token_ms), instead of the decoder's measurement."""
+        HeadPolicy.__init__(self, head_dir, allow_sampling_mismatch)
+        RenewalStop.__init__(self, draft_ms, target_ms, per_token_ms, h, max_len)
 
 
 class SprinterVerifier(HeadPolicy):

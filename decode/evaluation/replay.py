@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from decode.engine import Autoregressive, Runner
@@ -95,6 +96,8 @@ class RecordedStep(DraftStep):
         super().__init__(j, run.tokens[j], None, None, None if states is None else states[j],
                          None if states is None else states[j + 1])
         self.__dict__.update(confidence=run.confidence[j], entropy=run.entropy[j], top1=run.top1[j])
+        # under sampling the true acceptance probability, for the ceilings (decode.evaluation.ceilings.PerfectHead)
+        self.alpha = None if run.accept is None else run.accept[j]
 
 
 @torch.no_grad()
@@ -165,7 +168,7 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
         own = policy.reads_own_state
         while True:
             k += 1
-            if k >= min(policy.max_len, limit):
+            if k >= min(policy.max_len, limit, len(run.tokens)):  # the recording's candidates end the round too
                 break
             if own:
                 calls.append(("draft", 1))
@@ -221,35 +224,46 @@ class CostLine:
         return f"draft step {self.draft_ms:g} ms, target {self.target_ms:g} ms + {self.per_token_ms:g} ms per extra token"
 
 
-def speedup(trajs: list[Trajectory], policy: Policy, cost, max_context: int) -> tuple[float, float]:
-    """(mean over prompts of the predicted speedup over the target alone, mean tokens per target call)."""
+def per_prompt(trajs: list[Trajectory], play: Callable[[Trajectory], tuple[list, int]], cost) -> tuple[np.ndarray, float]:
+    """play(traj) -> (call log, new tokens), e.g. a policy's replay -> ((P,) predicted speedup over the target
+    alone of each prompt, mean tokens per target call)."""
     ratios, per_call = [], []
     for traj in trajs:
-        calls, n = replay(traj, policy, max_context)
+        calls, n = play(traj)
         ratios.append(cost.predict_s(target_alone_calls(traj)) / cost.predict_s(calls))
         per_call.append(n / max(1, sum(1 for m, _ in calls if m == "target") - (len(traj.prompt) > 1)))
-    return statistics.fmean(ratios), statistics.fmean(per_call)
+    return np.array(ratios), statistics.fmean(per_call)
 
 
-def grid(heads: list[str]) -> dict[str, list[tuple[str, Callable[[], Policy]]]]:
-    """family -> [(value, policy factory)]: wide grids, so that a value chosen on dev is not at an edge."""
-    from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, Oracle, SpecDecPP
+def speedup(trajs: list[Trajectory], policy: Policy, cost, max_context: int) -> tuple[float, float]:
+    """(mean over prompts of the predicted speedup over the target alone, mean tokens per target call)."""
+    ratios, per_call = per_prompt(trajs, lambda t: replay(t, policy, max_context), cost)
+    return float(ratios.mean()), per_call
+
+
+def grid(heads: list[str], sampled: bool = False) -> dict[str, list[tuple[str, Callable[[], Policy]]]]:
+    """family -> [(value, policy factory)]: wide grids, so that a value chosen on dev is not at an edge. Under
+    sampling the perfect head (decode.evaluation.ceilings) joins them; the hindsight oracle is not a policy
+    (hindsight_speedups)."""
+    from decode.evaluation.ceilings import PerfectHead
+    from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, SpecDecPP
 
     out = {"fixed-K": [(f"K={k}", functools.partial(FixedK, k)) for k in range(1, 11)],
            "draft-confidence": [(f"{c:g}", functools.partial(DraftConfidence, c)) for c in
                                 (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)],
-           "adaedl": [(f"lam={v:g}", functools.partial(AdaEDL, v)) for v in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)],
-           "oracle": [("", Oracle)]}
+           "adaedl": [(f"lam={v:g}", functools.partial(AdaEDL, v)) for v in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)]}
     for head in heads:
         name = Path(head).name
         out[f"SpecDec++ {name}"] = [(f"h={h:g}", functools.partial(SpecDecPP, head, h)) for h in
                                     (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)]
         out[f"cost-aware {name}"] = [("", functools.partial(CostAwareStop, head))]
+    if sampled:
+        out["perfect head"] = [("", PerfectHead)]
     return out
 
 
-def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[str, float, float]]]:
-    """family -> [(value, mean predicted speedup, tokens per target call)] over the trajectories."""
+def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[str, np.ndarray, float]]]:
+    """family -> [(value, (P,) predicted speedups per prompt, tokens per target call)] over the trajectories."""
     out = {}
     for family, values in families.items():
         rows = []
@@ -257,9 +271,16 @@ def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[st
             policy = make()
             if policy.needs_costs:
                 policy.set_costs(*cost.costs())
-            rows.append((value, *speedup(trajs, policy, cost, max_context)))
+            rows.append((value, *per_prompt(trajs, lambda t, p=policy: replay(t, p, max_context), cost)))
         out[family] = rows
     return out
+
+
+def hindsight_speedups(trajs: list[Trajectory], cost, max_context: int) -> tuple[np.ndarray, float]:
+    """per_prompt() of the hindsight oracle (decode.evaluation.ceilings.hindsight)."""
+    from decode.evaluation.ceilings import hindsight
+
+    return per_prompt(trajs, lambda t: hindsight(t, cost, max_context), cost)
 
 
 class Priced:

@@ -1,12 +1,18 @@
-"""The replay command: choose each stopping rule's threshold on dev prompts and report test, or check a bench run.
+"""The replay command: every policy on the same recorded draws, choices made on dev, paired intervals on test.
 
-    python -m decode replay --config configs/bench/pycode.yaml --prompt_set pycode
-    python -m decode replay --config configs/bench/pycode.yaml --cost "1.20,4.99,0.21"   # runH's cost line
-    python -m decode replay --setting t0.7-p0.95 --heads checkpoints/specdecpp-prev-t0.7-p0.95   # an estimate
+    python -m decode replay --setting t1                  # pycode and HumanEval test, under T = 1 (an estimate)
+    python -m decode replay --setting t0.7-p0.95 --prompt_sets pycode
+    python -m decode replay --setting greedy --cost "1.20,4.99,0.21"   # exact; a cost line instead of the bench's
     python -m decode replay --check runs/bench-greedy     # a run of: python -m decode bench --settings greedy ...
 
-Trajectories are recorded once per prompt set and split into runs/replay/ (keyed by the pair and the prompts);
-decode.evaluation.replay does the replaying.
+configs/replay/pycode.yaml names the bench config (pair, sampling sections, response length) and the prompts:
+each prompt set's dev split chooses every family's value and the best fixed K, test reports them once, each
+beside the best fixed K chosen on dev with a paired bootstrap interval over prompts, and beside the ceilings
+(decode.evaluation.ceilings): the perfect head (under sampling) and the hindsight oracle. A learned policy's
+"gap closed" is its share of the way from the best fixed K (dev) to the perfect head (sampling) or the oracle
+(greedy). Rounds are priced by the bench's own cost model of that split and setting (docs/bench/sections), else
+one measured here. Trajectories are recorded once per prompt set, split and setting into runs/replay/ (keyed by
+the pair and the prompts; resumable); decode.evaluation.replay does the replaying.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +32,7 @@ from decode.evaluation.replay import (
     Trajectory,
     evaluate,
     grid,
+    hindsight_speedups,
     load_trajectories,
     record,
     replay,
@@ -33,77 +42,143 @@ from decode.evaluation.replay import (
 from decode.pair import Pair
 
 
-def recorded(pair: Pair, bench_cfg: dict, ps: dict, split: str, kmax: int, folder: Path) -> list[Trajectory]:
-    """The trajectories of one prompt set's split, recorded once and kept in `folder` (keyed by pair and prompts)."""
+@dataclass
+class ReplayConfig:
+    """configs/replay/*.yaml: the bench config whose pair, sections and response length replay uses, how many
+    candidates to record after every prefix, and the prompt sets (each with a dev split that chooses and a test
+    split that reports, as data_gen.prompts.PromptSet arguments)."""
+
+    bench: str
+    prompt_sets: list[dict]
+    kmax: int = 12
+
+    def __post_init__(self):
+        if not 1 <= self.kmax <= 64:
+            raise ValueError(f"kmax must be in 1..64, got {self.kmax}")
+        for ps in self.prompt_sets:
+            if not {"name", "dev", "test"} <= set(ps):
+                raise ValueError(f"a replay prompt set needs name, dev and test, got {sorted(ps)}")
+
+
+def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: Path) -> list[Trajectory]:
+    """The trajectories of one prompt set's split, recorded once and kept in `folder` (keyed by pair and prompts).
+    Resumable: every 20 prompts the ones recorded so far are saved beside it, and a rerun goes on from them."""
     from decode.evaluation.bench import encode_prompts
 
-    prompts = encode_prompts(pair, ps[split], bench_cfg["max_new_tokens"])
+    prompts = encode_prompts(pair, ps[split], max_new)
     # "plain": the file format (save_trajectories); caches of the pickled format before it get another key
-    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, bench_cfg["max_new_tokens"], kmax, "plain"]).encode())
-    path = folder / f"{ps['name']}-{split}-{key.hexdigest()[:12]}.pt"
+    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, max_new, kmax, "plain"]).encode())
+    path = folder / f"{ps['name']}-{split}-{pair.config.sampling.name}-{key.hexdigest()[:12]}.pt"
     if path.exists():
         return load_trajectories(path)
-    trajs = []
-    for i, prompt in enumerate(prompts):
-        trajs.append(record(pair, prompt, bench_cfg["max_new_tokens"], kmax))
-        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
-            print(f"[replay] recorded {ps['name']}/{split}: {i + 1}/{len(prompts)} prompts", flush=True)
+    partial = path.with_name(path.name + ".partial")
+    trajs = load_trajectories(partial) if partial.exists() else []
+    if trajs:
+        print(f"[replay] {ps['name']}/{split}: resuming after {len(trajs)} recorded prompts ({partial})", flush=True)
+    t0 = time.perf_counter()
+    for i in range(len(trajs), len(prompts)):
+        trajs.append(record(pair, prompts[i], max_new, kmax))
+        done = i + 1
+        if done % 20 == 0 or done == len(prompts):
+            save_trajectories(trajs, partial)
+            print(f"[replay] recorded {ps['name']}/{split} {pair.config.sampling.name}: {done}/{len(prompts)} "
+                  f"prompts ({time.perf_counter() - t0:.0f} s)", flush=True)
     save_trajectories(trajs, path)
+    partial.unlink(missing_ok=True)
     return trajs
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decode.costs import CostModel
+    import yaml
+
     from decode.evaluation.bench import load_config
     from decode.pair import Sampling, load_pair
 
     ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML: pair, prompt sets, length")
-    ap.add_argument("--prompt_set", default="pycode")
+    ap.add_argument("--config", default="configs/replay/pycode.yaml", help="replay YAML (ReplayConfig)")
+    ap.add_argument("--prompt_sets", nargs="*", default=None, help="some of the config's prompt sets (default: all)")
     ap.add_argument("--setting", default="greedy", help="a section of the bench config by its setting's name: "
-                    "greedy (exact) or a sampling one such as t0.7-p0.95 (an estimate: decode.evaluation.replay)")
+                    "greedy (exact) or a sampling one such as t1 or t0.7-p0.95 (an estimate: decode.evaluation.replay)")
     ap.add_argument("--heads", nargs="*", default=None, help="heads trained for that setting (default: the "
                     "specdecpp and specdecpp-prev heads for it)")
-    ap.add_argument("--cost", default="measure", help="'measure' (this machine) or 'draft_ms,target_ms,per_token_ms'")
+    ap.add_argument("--cost", default="bench", help="'bench' (the bench's saved cost model of each split, else "
+                    "one measured here), 'measure', or 'draft_ms,target_ms,per_token_ms'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--check", type=Path, default=None, metavar="RUN",
-                    help="replay the greedy rows of a bench run folder with its own cost models and compare")
+                    help="replay the rows of a bench run folder with its own cost models and compare")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, False, None)
+    rc = ReplayConfig(**yaml.safe_load(Path(args.config).read_text()))
+    cfg = load_config(rc.bench, False, None)
     if args.check is not None:
         return check(cfg, args.check)
-    sets = {ps["name"]: ps for ps in cfg["prompt_sets"]}
-    if args.prompt_set not in sets:
-        ap.error(f"--prompt_set {args.prompt_set}: {args.config} has {', '.join(sets)}")
+    sets = {ps["name"]: ps for ps in rc.prompt_sets}
+    if unknown := [n for n in args.prompt_sets or () if n not in sets]:
+        ap.error(f"--prompt_sets {' '.join(unknown)}: {args.config} has {', '.join(sets)}")
     settings = {Sampling(**sec.get("sampling", {})).name: Sampling(**sec.get("sampling", {})) for sec in cfg["sections"]}
     if args.setting not in settings:
-        ap.error(f"--setting {args.setting}: {args.config} has sections {', '.join(settings)}")
+        ap.error(f"--setting {args.setting}: {rc.bench} has sections {', '.join(settings)}")
+    base = load_pair(cfg["pair"])
     setting = settings[args.setting]
-    pair = load_pair(cfg["pair"]).with_sampling(**vars(setting))
-    heads = args.heads if args.heads is not None else \
-        [f"checkpoints/{name}-{setting.name}" for name in ("specdecpp", "specdecpp-prev")]
-    folder = Path("runs/replay")
-    trajs = {s: recorded(pair, cfg, sets[args.prompt_set], s, 20, folder) for s in ("dev", "test")}
-    if args.cost == "measure":
-        prompts = [t.prompt for t in trajs["dev"]]
-        cost = Priced(CostModel.measure(pair, prompts, n_max=21, repeats=5))
-        print(f"cost model measured here: {cost.model.describe()}")
-    else:
-        cost = CostLine.parse(args.cost)
-    families = grid(heads)
-    dev, test = (evaluate(trajs[s], families, cost, pair.config.max_context) for s in ("dev", "test"))
-    print(f"\n{args.prompt_set}, {setting.name}{'' if setting.temperature == 0 else ' (an estimate)'}, "
-          f"{len(trajs['test'])} test prompts; value chosen on "
-          f"{len(trajs['dev'])} dev prompts; predicted speedup over the target alone (cost: {cost.describe()})\n")
-    print("| family | chosen on dev | dev speedup | test speedup | test tokens per target call | note |\n|---|---|---|---|---|---|")
-    for family, rows in dev.items():
-        best = max(range(len(rows)), key=lambda j: rows[j][1])
-        edge = len(rows) > 1 and best in (0, len(rows) - 1)
-        value, _, _ = rows[best]
-        t = test[family][best]
-        print(f"| {family} | {value or '-'} | {rows[best][1]:.3f} | {t[1]:.3f} | {t[2]:.2f} | "
-              f"{'at the edge of the grid' if edge else ''} |")
+    pair = base.with_sampling(**vars(setting))
+    suffix = "" if setting.name == base.config.sampling.name else f"-{setting.name}"
+    heads = args.heads if args.heads is not None else [f"checkpoints/{n}{suffix}" for n in ("specdecpp", "specdecpp-prev")]
+    for name in args.prompt_sets or sets:
+        trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"))
+                 for s in ("dev", "test")}
+        costs = {s: cost_of(args.cost, pair, cfg, name, s, trajs[s]) for s in trajs}
+        report(name, setting, trajs, costs, heads, pair.config.max_context)
+
+
+def cost_of(spec: str, pair: Pair, cfg: dict, name: str, split: str, trajs: list[Trajectory]):
+    """The cost model that prices one split's rounds: the bench's own of that split and setting (its saved section),
+    a measured one, or a line."""
+    from decode.costs import CostModel
+
+    if spec not in ("bench", "measure"):
+        return CostLine.parse(spec)
+    if spec == "bench":
+        saved = sorted(Path(cfg["output"]).glob(f"sections/{name}_{split}_{pair.config.sampling.name}-*.json"),
+                       key=lambda f: f.stat().st_mtime)
+        raw = json.loads(saved[-1].read_text()).get("cost_model") if saved else None
+        if raw:
+            cost = Priced(CostModel(**raw))
+            print(f"[replay] {name}/{split}: the bench's cost model ({saved[-1]}): {cost.describe()}", flush=True)
+            return cost
+    cost = Priced(CostModel.measure(pair, [t.prompt for t in trajs], n_max=21, repeats=5))
+    print(f"[replay] {name}/{split}: cost model measured here: {cost.describe()}", flush=True)
+    return cost
+
+
+def report(name: str, setting, trajs: dict, costs: dict, heads: list[str], max_context: int) -> None:
+    """Print one prompt set's table: every family's dev choice on test against the best fixed K chosen on dev."""
+    from decode.evaluation.intervals import paired_ratio_ci
+
+    sampled = setting.temperature > 0
+    families = grid(heads, sampled)
+    dev, test = (evaluate(trajs[s], families, costs[s], max_context) for s in ("dev", "test"))
+    oracle = {s: hindsight_speedups(trajs[s], costs[s], max_context) for s in ("dev", "test")}
+    pick = {f: max(range(len(rows)), key=lambda j: rows[j][1].mean()) for f, rows in dev.items()}
+    k_dev = test["fixed-K"][pick["fixed-K"]]
+    k_hind = max(test["fixed-K"], key=lambda r: r[1].mean())
+    ceiling = test["perfect head"][0] if sampled else ("", *oracle["test"])
+    gap = ceiling[1].mean() - k_dev[1].mean()
+    print(f"\n{name}, {setting.name}{' (an estimate: decode.evaluation.replay)' if sampled else ''}: "
+          f"{len(trajs['test'])} test prompts, values chosen on {len(trajs['dev'])} dev prompts; predicted speedup "
+          f"over the target alone, and against the best fixed K chosen on dev ({k_dev[0]}) with a paired 95% "
+          f"interval over prompts; gap: from that K to the {'perfect head' if sampled else 'hindsight oracle'}\n"
+          f"(cost: {costs['test'].describe()})\n")
+    print("| policy | chosen on dev | dev speedup | test speedup | vs best K (dev) [95%] | gap closed | tokens per target call |\n"
+          "|---|---|---|---|---|---|---|")
+    rows = [(f, rows[pick[f]][0], dev[f][pick[f]][1], *test[f][pick[f]][1:]) for f, rows in dev.items()]
+    rows.insert(1, ("fixed-K in hindsight (test)", k_hind[0], None, *k_hind[1:]))
+    rows.append(("hindsight oracle", "", oracle["dev"][0], *oracle["test"]))
+    for family, value, d, t, per_call in rows:
+        r, lo, hi = paired_ratio_ci(t, k_dev[1])
+        share = (t.mean() - k_dev[1].mean()) / gap if gap > 0 and family != "fixed-K" else None
+        print(f"| {family} | {value or '-'} | {'-' if d is None else f'{d.mean():.3f}'} | {t.mean():.3f} | "
+              f"{r:.3f} [{lo:.3f}, {hi:.3f}] | {'-' if share is None else f'{100 * share:.0f}%'} | {per_call:.2f} |",
+              flush=True)
 
 
 def check(cfg: dict, run: Path) -> None:

@@ -1,0 +1,80 @@
+"""Ceilings that no drafting policy can beat, so that a "share of the gap closed" is measured against a limit.
+
+    calls, n = hindsight(traj, cost, max_context)     # the cheapest call log that emits the recorded response
+    PerfectHead()                                     # the cost-aware stop fed each candidate's true alpha
+
+- hindsight: the round boundaries chosen by dynamic programming over what the recording knows of every candidate
+  (under greedy, whether it equals the target's token; under sampling, whether its uniform falls below its
+  acceptance probability, the coin that decides it) and the cost model's price of every round. Rounds cost what
+  they cost in replay (decode.evaluation.replay.replay): the draft reads the pending token (and the last
+  candidate when the previous round was accepted whole), drafts k candidates, the target verifies k + 1. It
+  never drafts a candidate it knows is rejected unless a cheaper verify size makes that pay, and it drafts
+  past its first sure token only while the cost model says so. Under greedy it is exact, and at or above every
+  policy replayed on the same trajectories and cost model: each of them chooses among the same rounds.
+- PerfectHead: the best any acceptance head can do with the cost-aware rule, fed alpha = min(1, p/q), the
+  probability the target accepts the candidate (known only to the target). Sampling only (under greedy alpha
+  is the agreement itself, and the hindsight oracle is the limit).
+"""
+
+from __future__ import annotations
+
+from decode.evaluation.replay import Trajectory
+from decode.policies import RenewalStop
+
+
+class PerfectHead(RenewalStop):
+    """CostAwareStop's rule on each candidate's true acceptance probability, which replay supplies (step.alpha)."""
+
+    needs_alpha = True
+
+    def stop(self, step):
+        if getattr(step, "alpha", None) is None:
+            raise ValueError("PerfectHead reads each candidate's true acceptance probability, which only replay of a "
+                             "sampled recording supplies (decode.evaluation.replay): replay it under sampling")
+        return self.given(step.alpha)
+
+
+def round_calls(feed: int, k: int) -> list[tuple[str, int]]:
+    """A round's call log: the draft reads `feed` tokens, drafts k candidates (reading k - 1 of them), the target
+    verifies k + 1."""
+    return [("draft", feed)] + [("draft", 1)] * (k - 1) + [("target", k + 1)]
+
+
+def round_prices(cost, kmax: int) -> dict[tuple[int, int], float]:
+    """(feed, k) -> seconds of that round after a target call (the state every round starts in)."""
+    base = cost.predict_s([("target", 1)])
+    return {(feed, k): cost.predict_s([("target", 1)] + round_calls(feed, k)) - base
+            for feed in (1, 2) for k in range(1, kmax + 1)}
+
+
+def hindsight(traj: Trajectory, cost, max_context: int) -> tuple[list[tuple[str, int]], int]:
+    """A trajectory and a cost model (predict_s over a call log) -> the cheapest call log and its new tokens.
+
+    State: tokens out so far and how many tokens the draft reads first (1, or 2 after a round accepted whole);
+    from each state every round length the recording and the context allow, as replay() bounds it."""
+    y, T = traj.response, len(traj.prompt)
+    kmax = max(len(r.tokens) for r in traj.runs)
+    price = round_prices(cost, kmax)
+    best: dict[tuple[int, int], tuple[float, int]] = {}  # (out, feed) -> (seconds to the end, k)
+    for out in range(len(y) - 1, -1, -1):
+        run = traj.runs[out]
+        limit = max(1, min(traj.max_new - out, max_context - (T - 1 + out) - 2))
+        agree = next((j for j in range(len(run.tokens)) if out + j >= len(y) or not run.accepted(j, y[out + j])),
+                     len(run.tokens))
+        for feed in (1, 2):
+            options = []
+            for k in range(1, min(len(run.tokens), limit) + 1):
+                n = min(k, agree)
+                nxt = out + n + 1
+                rest = best[(nxt, 2 if n == k else 1)][0] if nxt < len(y) else 0.0
+                options.append((price[(feed, k)] + rest, k))
+            best[(out, feed)] = min(options)
+    calls = [("draft", T - 1), ("target", T - 1)] if T > 1 else []
+    out, feed = 0, 1
+    while out < len(y):
+        k = best[(out, feed)][1]
+        calls += round_calls(feed, k)
+        run = traj.runs[out]
+        n = next((j for j in range(k) if out + j >= len(y) or not run.accepted(j, y[out + j])), k)
+        out, feed = out + n + 1, 2 if n == k else 1
+    return calls, min(out, len(y))

@@ -1,0 +1,101 @@
+"""The ceilings of replay: the hindsight oracle is the cheapest call log there is, the perfect head needs alpha."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from decode.evaluation.ceilings import PerfectHead, hindsight, round_calls
+from decode.evaluation.intervals import paired_ratio_ci
+from decode.evaluation.replay import CostLine, FreeRun, Trajectory, record, replay, speedup, target_alone_calls
+from decode.policies import AdaEDL, DraftConfidence, FixedK, Oracle
+from tests.test_decode import PROMPTS
+
+COSTS = [CostLine.parse("1.0,5.0,0.25"), CostLine.parse("1.4,5.0,1.5"), CostLine.parse("0.1,5.0,0.0")]
+
+
+def synthetic(agree: list[int], kmax: int = 4) -> Trajectory:
+    """A greedy trajectory whose draft agrees with the response for agree[i] candidates after prefix i."""
+    y = list(range(100, 100 + len(agree)))
+    runs = [FreeRun([y[i + j] if j < a and i + j < len(y) else 1 for j in range(kmax)], [0.5] * kmax, [1.0] * kmax,
+                    [0.5] * kmax, None) for i, a in enumerate(agree)]
+    return Trajectory([1, 2, 3], y, runs, len(y))
+
+
+def brute_force(traj: Trajectory, cost) -> float:
+    """The cheapest call log over every sequence of round lengths (tiny trajectories only)."""
+    best = float("inf")
+    kmax = len(traj.runs[0].tokens)
+    for ks in itertools.product(range(1, kmax + 1), repeat=len(traj.response)):
+        calls, out, feed = [("draft", 2), ("target", 2)], 0, 1
+        for k in ks:
+            if out >= len(traj.response):
+                break
+            run = traj.runs[out]
+            k = min(k, traj.max_new - out)
+            n = next((j for j in range(k) if out + j >= len(traj.response) or
+                      not run.accepted(j, traj.response[out + j])), k)
+            calls += round_calls(feed, k)
+            out, feed = out + n + 1, 2 if n == k else 1
+        if out >= len(traj.response):
+            best = min(best, cost.predict_s(calls))
+    return best
+
+
+@pytest.mark.parametrize("cost", COSTS)
+def test_the_hindsight_oracle_is_the_cheapest_call_log_of_all(cost):
+    """Against every sequence of round lengths on small trajectories, under cost lines where drafting the first
+    rejected candidate pays (a free verify width) and where it does not."""
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        traj = synthetic(rng.integers(0, 5, size=7).tolist())
+        calls, n = hindsight(traj, cost, 512)
+        assert n == len(traj.response)
+        assert cost.predict_s(calls) == pytest.approx(brute_force(traj, cost))
+
+
+def test_the_hindsight_oracle_beats_every_replayed_policy(tiny_pair):
+    """Greedy, a real pair: at or above every policy replayed on the same trajectories and cost model, the
+    first-disagreement oracle included, which drafts each rejected candidate too."""
+    greedy = tiny_pair.with_sampling(temperature=0.0)
+    trajs = [record(greedy, p, 24, kmax=8, hidden=False) for p in PROMPTS[:6]]
+    for cost in COSTS[:2]:
+        ours = np.mean([cost.predict_s(target_alone_calls(t)) / cost.predict_s(hindsight(t, cost, 512)[0])
+                        for t in trajs])
+        others = [speedup(trajs, p, cost, 512)[0] for p in
+                  (*(FixedK(k) for k in range(1, 9)), DraftConfidence(0.3), AdaEDL(0.5), Oracle())]
+        assert ours >= max(others) - 1e-12
+        assert ours > speedup(trajs, Oracle(), cost, 512)[0]  # the first-disagreement oracle is not a limit
+
+
+def test_the_perfect_head_reads_the_true_acceptance_and_only_under_sampling(tiny_pair):
+    pair = tiny_pair.with_sampling(temperature=1.0)
+    traj = record(pair, PROMPTS[0], 16, kmax=6, hidden=False)
+    head = PerfectHead(1.0, 5.0, 0.25)
+    calls, n = replay(traj, head, 512)
+    assert n == len(traj.response) and head.spent > 0
+    for run in traj.runs:  # candidates sure to be accepted: always worth drafting on, to the recording's end
+        run.accept = [1.0] * len(run.tokens)
+    assert all(k == 6 or k >= traj.max_new - out for k, out in rounds(replay(traj, PerfectHead(1.0, 5.0, 0.25), 512)[0]))
+    with pytest.raises(ValueError, match="only replay of a sampled recording"):
+        replay(record(tiny_pair.with_sampling(temperature=0.0), PROMPTS[0], 8, kmax=4, hidden=False), PerfectHead(1.0, 5.0, 0.25), 512)
+
+
+def rounds(calls):
+    """The round lengths of a call log (the target's verify sizes minus one) and the tokens out before each."""
+    out, found = 0, []
+    for m, n in calls[2:]:
+        if m == "target":
+            found.append((n - 1, out))
+            out += n
+    return found
+
+
+def test_paired_ratio_intervals_cancel_what_prompts_share():
+    """Two methods that differ by 2% on prompts whose difficulty varies 10x: the paired interval is tight around
+    1.02 although each method's own mean varies far more."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.2, 2.0, size=300)
+    r, lo, hi = paired_ratio_ci(base * 1.02 * rng.normal(1, 0.01, 300), base)
+    assert lo < r < hi and 1.01 < lo and hi < 1.03
+    assert paired_ratio_ci(base, base)[1:] == (1.0, 1.0)
