@@ -207,6 +207,10 @@ class SpeculativeDecoder:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1], True)
             self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
         committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
+        if getattr(self.policy, "needs_plan", False):  # the hindsight oracle looks ahead, off the books
+            t0 = self.now()
+            self.policy.plan(self.pair, prompt_ids, max_new_tokens)
+            stats.t_oracle += self.now() - t0
         self.policy.start()
         while len(out) < max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).

@@ -99,3 +99,26 @@ def test_paired_ratio_intervals_cancel_what_prompts_share():
     r, lo, hi = paired_ratio_ci(base * 1.02 * rng.normal(1, 0.01, 300), base)
     assert lo < r < hi and 1.01 < lo and hi < 1.03
     assert paired_ratio_ci(base, base)[1:] == (1.0, 1.0)
+
+
+def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
+    """Greedy: the engine under HindsightOracle emits the target's tokens in exactly the planned rounds (replay's
+    call log of the same plan), spending fewer predicted seconds than fixed K or the first-disagreement oracle."""
+    from decode.engine import Autoregressive, SpeculativeDecoder
+    from decode.evaluation.ceilings import HindsightOracle, StepCosts
+    from decode.rules import GreedyMatch
+
+    greedy = tiny_pair.with_sampling(temperature=0.0)
+    for prompt in PROMPTS[:4]:
+        oracle = HindsightOracle()
+        out = SpeculativeDecoder(greedy, oracle, GreedyMatch()).generate(prompt, 24)
+        assert out.tokens == Autoregressive(greedy).generate(prompt, 24).tokens
+        replayed = HindsightOracle()
+        replayed.set_costs(oracle.cost.draft_ms, oracle.cost.verify_ms)
+        traj = record(greedy, prompt, 24, kmax=20, hidden=False)
+        assert replay(traj, replayed, greedy.config.max_context)[0] == out.stats.calls
+        cost = StepCosts(oracle.cost.draft_ms, oracle.cost.verify_ms)
+        others = [replay(traj, p, greedy.config.max_context)[0] for p in (Oracle(), *(FixedK(k) for k in (1, 3, 6)))]
+        assert cost.predict_s(out.stats.calls) <= min(cost.predict_s(c) for c in others) + 1e-12
+    with pytest.raises(ValueError, match="greedy decoding only"):
+        SpeculativeDecoder(tiny_pair.with_sampling(temperature=1.0), HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 8)

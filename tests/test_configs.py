@@ -55,6 +55,21 @@ def test_the_batch_bench_config_is_its_schema_and_names_existing_heads():
         assert (head / "config.json").exists(), head
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "replay").glob("*.yaml")), ids=lambda p: p.stem)
+def test_replay_configs_are_their_schema_with_disjoint_dev_and_test(path):
+    """configs/replay/*.yaml parse into ReplayConfig, name an existing bench config, and every prompt set's dev and
+    test are PromptSet arguments that select different prompts (choices on dev never see a test prompt)."""
+    from data_gen.prompts import PromptSet
+    from decode.evaluation.tuning import ReplayConfig
+
+    cfg = ReplayConfig(**yaml.safe_load(path.read_text()))
+    assert (ROOT / cfg.bench).exists()
+    for ps in cfg.prompt_sets:
+        dev, test = PromptSet(**ps["dev"]), PromptSet(**ps["test"])
+        if (dev.name, dev.split) == (test.name, test.split):
+            assert dev.seed == test.seed and (dev.skip or 0) + dev.limit <= (test.skip or 0), ps["name"]
+
+
 @pytest.mark.parametrize("path", SECTION_BENCHES, ids=lambda p: p.stem)
 def test_bench_configs_name_real_classes_arguments_and_heads(path):
     from decode.pair import PairConfig, Sampling

@@ -2,6 +2,7 @@
 
     calls, n = hindsight(traj, cost, max_context)     # the cheapest call log that emits the recorded response
     PerfectHead()                                     # the cost-aware stop fed each candidate's true alpha
+    HindsightOracle()                                 # hindsight's rounds as a policy the engine decodes with
 
 - hindsight: the round boundaries chosen by dynamic programming over what the recording knows of every candidate
   (under greedy, whether it equals the target's token; under sampling, whether its uniform falls below its
@@ -18,8 +19,8 @@
 
 from __future__ import annotations
 
-from decode.evaluation.replay import Trajectory
-from decode.policies import RenewalStop
+from decode.evaluation.replay import Trajectory, record
+from decode.policies import Policy, RenewalStop, check_max_len
 
 
 class PerfectHead(RenewalStop):
@@ -78,3 +79,57 @@ def hindsight(traj: Trajectory, cost, max_context: int) -> tuple[list[tuple[str,
         n = next((j for j in range(k) if out + j >= len(y) or not run.accepted(j, y[out + j])), k)
         out, feed = out + n + 1, 2 if n == k else 1
     return calls, min(out, len(y))
+
+
+class StepCosts:
+    """A draft step and the target's verify table (what a decoder hands set_costs) priced as a call log: a
+    draft call costs a step (it reads one or two tokens; the prompt's prefill is the same in every plan)."""
+
+    def __init__(self, draft_ms: float, verify_ms: list[float]):
+        self.draft_ms, self.verify_ms = draft_ms, list(verify_ms)
+
+    def predict_s(self, calls: list[tuple[str, int]]) -> float:
+        v, slope = self.verify_ms, (self.verify_ms[-1] - self.verify_ms[0]) / max(1, len(self.verify_ms) - 1)
+        return 1e-3 * sum(self.draft_ms if m == "draft" else v[n - 1] if n <= len(v) else v[-1] + slope * (n - len(v))
+                          for m, n in calls)
+
+
+class HindsightOracle(Policy):
+    """Greedy only: decode with the rounds hindsight() finds, so the bench's oracle is the cost-optimal limit.
+
+    Before a generation the engine hands it the prompt (plan); it records the target's greedy response and the
+    draft's run after every prefix, off the books, and chooses every round's length by dynamic programming over
+    the decoder's measured step costs. Under greedy decoding the engine then meets exactly the recorded rounds."""
+
+    needs_plan = True
+    needs_costs = True
+
+    def __init__(self, max_len: int = 20):
+        self.max_len = check_max_len(max_len)
+        self.cost: StepCosts | None = None
+        self.rounds: list[int] = []
+
+    def set_costs(self, draft_ms: float, verify_ms: list[float]) -> None:
+        self.cost = StepCosts(draft_ms, verify_ms)
+
+    def plan(self, pair, prompt: list[int], max_new: int) -> None:
+        """Record the generation ahead (decode.evaluation.replay.record) and plan its rounds."""
+        if pair.config.sampling.temperature > 0:
+            raise ValueError("HindsightOracle plans greedy decoding only (a sampled text differs from any recording): "
+                             "decode with temperature 0, or compare sampling policies in replay against its ceilings")
+        self.plan_rounds(record(pair, prompt, max_new, self.max_len, hidden=False), pair.config.max_context)
+
+    def plan_rounds(self, traj: Trajectory, max_context: int) -> None:
+        if self.cost is None:
+            raise ValueError("HindsightOracle has no step costs: decode with SpeculativeDecoder, which measures them")
+        calls = hindsight(traj, self.cost, max_context)[0]
+        self.rounds = [n - 1 for m, n in calls[2 if len(traj.prompt) > 1 else 0:] if m == "target"]
+
+    def start(self):
+        self.round = 0
+
+    def stop(self, step):
+        return step.index + 1 >= self.rounds[self.round]
+
+    def verified(self, accepted, drafted):
+        self.round += 1

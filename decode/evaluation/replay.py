@@ -98,6 +98,7 @@ class RecordedStep(DraftStep):
         self.__dict__.update(confidence=run.confidence[j], entropy=run.entropy[j], top1=run.top1[j])
         # under sampling the true acceptance probability, for the ceilings (decode.evaluation.ceilings.PerfectHead)
         self.alpha = None if run.accept is None else run.accept[j]
+        self.uniform = None if run.uniform is None else run.uniform[j]  # the coin: accepted when uniform < alpha
 
 
 @torch.no_grad()
@@ -156,6 +157,8 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
     T, y, out = len(traj.prompt), traj.response, 0
     calls = [("draft", T - 1), ("target", T - 1)] if T > 1 else []
     committed, draft_len = T - 1, T - 1
+    if getattr(policy, "needs_plan", False):  # the hindsight oracle plans from the recording itself
+        policy.plan_rounds(traj, max_context)
     policy.start()
     while out < len(y):
         limit = max(1, min(traj.max_new - out, max_context - committed - 2))
