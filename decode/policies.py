@@ -46,19 +46,35 @@ class DraftStep:
     # What the rules and head extras read of the draft's distribution: three scalars, so that a recorded
     # trajectory (decode.evaluation.replay) can hand a policy the same step without the (V,) logits.
     @functools.cached_property
+    def _scalars(self) -> tuple[float, float, float]:
+        """(confidence, entropy, top1) of the raw softmax in one pass: in numpy on the CPU (at batch 1 a decoder
+        pays per tensor op, and these are five array ops), from `probs` elsewhere."""
+        if self.logits.device.type != "cpu":
+            p = self.probs
+            return float(p[self.token]), float(L.entropy(p)), float(p.max())
+        x = self.logits.detach().float().numpy()
+        shifted = x - x.max()
+        e = np.exp(shifted)
+        with np.errstate(invalid="ignore"):
+            total, dot = float(e.sum()), float(e @ shifted)
+        if math.isnan(dot):  # -inf logits (a processor masked tokens): 0 * -inf; those tokens add nothing
+            dot = float(e @ np.where(e > 0, shifted, 0.0))
+        return float(e[self.token]) / total, math.log(total) - dot / total, 1.0 / total
+
+    @functools.cached_property
     def confidence(self) -> float:
         """The draft's raw probability of its own token."""
-        return float(self.probs[self.token])
+        return self._scalars[0]
 
     @functools.cached_property
     def entropy(self) -> float:
         """Entropy of the draft's raw distribution, in nats."""
-        return float(L.entropy(self.probs))
+        return self._scalars[1]
 
     @functools.cached_property
     def top1(self) -> float:
         """The draft's largest raw probability."""
-        return float(self.probs.max())
+        return self._scalars[2]
 
 
 class Policy:
@@ -176,10 +192,11 @@ class HeadPolicy(Policy):
     @torch.no_grad()
     def prob(self, step: DraftStep) -> float:
         hidden = step.hidden_own if self.features.position == "own" else step.hidden_prev
-        if not self.features.extras:  # no scalars to build (batch 1 pays per tensor made)
-            return self.fast_prob(self.inputs(hidden))
-        scalars = (torch.tensor(x) for x in (step.entropy, step.top1, step.confidence))
-        return self.fast_prob(self.inputs(hidden, *scalars, torch.tensor(self.run + step.index)))
+        hidden = hidden.detach().float().cpu().numpy()
+        if not self.features.extras:  # no scalars to build (batch 1 pays per op made)
+            return self.fast_prob(hidden)
+        return self.fast_prob(self.features.row(hidden, step.entropy, step.top1, step.confidence,
+                                                self.run + step.index))
 
     def probs(self, hidden: torch.Tensor, entropy: torch.Tensor, top1: torch.Tensor, confidence: torch.Tensor,
               runs: torch.Tensor) -> np.ndarray:
@@ -277,10 +294,15 @@ class RenewalStop(Policy):
         d, verify = self.costs
         return k * d + verify[k] + (d if self.reads_own_state else 0.0)
 
+    @functools.cached_property
+    def round_costs(self) -> list[float]:
+        """C_0 .. C_max_len, once: the rule reads them per candidate (a Python loop the decoder pays at batch 1)."""
+        return [self.cost(k) for k in range(self.max_len + 1)]
+
     def reset(self):
         if self.k and self.costs is not None:  # a round ended: it joins the long-run rate
             self.tokens += self.expected
-            self.spent += self.cost(self.k)
+            self.spent += self.round_costs[self.k]
         self.survive, self.expected, self.k = 1.0, 1.0, 0
 
     def given(self, a: float) -> bool:
@@ -292,13 +314,12 @@ class RenewalStop(Policy):
         if self.costs is None:
             raise ValueError(f"{type(self).__name__} has no step costs: give draft_ms, target_ms and per_token_ms, "
                              "or decode with SpeculativeDecoder, which measures them")
-        k, gain, survive = self.k, 0.0, self.survive
-        rate = self.tokens / self.spent if self.spent else self.expected / self.cost(k)
-        now = self.cost(k)
+        k, gain, survive, c = self.k, 0.0, self.survive, self.round_costs
+        rate = self.tokens / self.spent if self.spent else self.expected / c[k]
         for j in range(k + 1, self.max_len + 1):  # E_j - E_k - rate * (C_j - C_k) > 0 for some j: draft on
             survive *= a
             gain += survive
-            if gain > rate * (self.cost(j) - now):
+            if gain > rate * (c[j] - c[k]):
                 return False
         return True
 

@@ -286,3 +286,28 @@ def test_cli_refuses_head_of_other_setting_and_flag_allows_it(tiny_pair, tiny_pa
     assert "trained for sampling t1 but the decoder samples greedy" in res.stderr
     res = run_generate(*base, "--allow_sampling_mismatch", "true")
     assert res.returncode == 0 and "another acceptance event" in res.stderr
+
+
+def test_the_batch_one_head_path_reads_what_the_batched_one_does():
+    """DraftStep's numpy scalars equal the torch softmax's, and FeatureSpec.row equals build() on one row, for
+    every extra: the decoder's lean batch-1 path feeds a head exactly the features it was trained on."""
+    import torch
+
+    from decode import labels as L
+    from decode.policies import DraftStep
+    from heads import FeatureSpec
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.1, 3.0, 30.0, -1.0):
+        logits = torch.randn(500, generator=g) * abs(scale)
+        if scale < 0:  # masked tokens, as a logits processor leaves them
+            logits[::3] = -float("inf")
+        step, p = DraftStep(0, 7, None, logits, None, None), logits.softmax(-1)
+        assert step.confidence == pytest.approx(float(p[7]), rel=1e-5, abs=1e-12)
+        assert step.entropy == pytest.approx(float(L.entropy(p)), rel=1e-4, abs=1e-6)
+        assert step.top1 == pytest.approx(float(p.max()), rel=1e-5)
+    spec = FeatureSpec("prev", ["draft_entropy", "draft_top1", "cand_logq", "accepted_run"])
+    hidden = torch.randn(16, generator=g)
+    for run in (0, 3, 40):
+        built = spec.build(hidden, torch.tensor(1.5), torch.tensor(0.4), torch.tensor(1e-30), accepted_run=torch.tensor(run))
+        assert spec.row(hidden.numpy(), 1.5, 0.4, 1e-30, run) == pytest.approx(built.numpy(), rel=1e-6)
