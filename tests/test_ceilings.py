@@ -122,3 +122,30 @@ def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
         assert cost.predict_s(out.stats.calls) <= min(cost.predict_s(c) for c in others) + 1e-12
     with pytest.raises(ValueError, match="greedy decoding only"):
         SpeculativeDecoder(tiny_pair.with_sampling(temperature=1.0), HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 8)
+
+
+def test_the_replay_report_chooses_on_dev_and_prints_ceilings_and_what_heads_know(tiny_pair, tmp_path, capsys):
+    """Under sampling: every family's value chosen on dev, each row against the best fixed K chosen on dev with
+    an interval, the perfect head and the hindsight oracle as ceilings, and each head's R^2 against alpha."""
+    import re
+
+    from decode.evaluation.tuning import report
+    from tests.test_decode import export_head
+
+    pair = tiny_pair.with_sampling(temperature=1.0)
+    head = export_head(tmp_path, pair, position="prev", depth=1, extras=("draft_top1", "cand_logq"))
+    trajs = {s: [record(pair, p, 16, kmax=6, seed=i) for p in PROMPTS[:4]] for i, s in enumerate(("dev", "test"))}
+    report("tiny", pair.config.sampling, trajs, COSTS[2], [head], 512)  # drafting is nearly free: ceilings apart
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in out.splitlines() if line.startswith("| ")}
+    for family in ("fixed-K", "fixed-K in hindsight (test)", "draft-confidence", "cost-aware head", "perfect head",
+                   "hindsight oracle", "draft confidence", "head"):
+        assert family in rows, family
+    assert float(rows["fixed-K"][4].split()[0]) == 1.0 and "K=" in rows["fixed-K"][1]
+    assert re.fullmatch(r"[\d.]+ \[[\d.]+, [\d.]+\]", rows["cost-aware head"][4])
+    assert rows["perfect head"][5] == "100%"
+    policies = out.split("| predictor |")[0]
+    speedups = [float(line.split(" | ")[3]) for line in policies.splitlines() if line.startswith("| ")
+                and not line.startswith("| policy")]
+    assert float(rows["hindsight oracle"][3]) == max(speedups)
+    assert float(rows["head"][1]) < 1 and 0 < float(rows["head"][4]) < 1  # R^2 and AUROC against alpha

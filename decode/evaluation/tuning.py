@@ -10,8 +10,8 @@ each prompt set's dev split chooses every family's value and the best fixed K, t
 beside the best fixed K chosen on dev with a paired bootstrap interval over prompts, and beside the ceilings
 (decode.evaluation.ceilings): the perfect head (under sampling) and the hindsight oracle. A learned policy's
 "gap closed" is its share of the way from the best fixed K (dev) to the perfect head (sampling) or the oracle
-(greedy). Rounds are priced by the bench's own cost model of that split and setting (docs/bench/sections), else
-one measured here. Trajectories are recorded once per prompt set, split and setting into runs/replay/ (keyed by
+(greedy). Both splits' rounds are priced by one cost model: the bench's own of that prompt set and setting (the
+mean of its saved sections', docs/bench/sections), else one measured here. Trajectories are recorded once per prompt set, split and setting into runs/replay/ (keyed by
 the pair and the prompts; resumable); decode.evaluation.replay does the replaying.
 """
 
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     from decode.pair import Sampling, load_pair
 
     ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/replay/pycode.yaml", help="replay YAML (ReplayConfig)")
+    ap.add_argument("--config", default="configs/replay/pycode.yaml", help="replay YAML (ReplayConfig), or a bench "
+                    "YAML to replay the bench's own prompts")
     ap.add_argument("--prompt_sets", nargs="*", default=None, help="some of the config's prompt sets (default: all)")
     ap.add_argument("--setting", default="greedy", help="a section of the bench config by its setting's name: "
                     "greedy (exact) or a sampling one such as t1 or t0.7-p0.95 (an estimate: decode.evaluation.replay)")
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="replay the rows of a bench run folder with its own cost models and compare")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rc = ReplayConfig(**yaml.safe_load(Path(args.config).read_text()))
+    raw = yaml.safe_load(Path(args.config).read_text())
+    # a bench config replays its own prompt sets (the bench chooses its thresholds so)
+    rc = ReplayConfig(args.config, raw["prompt_sets"]) if "sections" in raw else ReplayConfig(**raw)
     cfg = load_config(rc.bench, False, None)
     if args.check is not None:
         return check(cfg, args.check)
@@ -126,38 +129,40 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.prompt_sets or sets:
         trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"))
                  for s in ("dev", "test")}
-        costs = {s: cost_of(args.cost, pair, cfg, name, s, trajs[s]) for s in trajs}
-        report(name, setting, trajs, costs, heads, pair.config.max_context)
+        cost = cost_of(args.cost, pair, cfg, name, trajs["dev"])
+        report(name, setting, trajs, cost, heads, pair.config.max_context)
 
 
-def cost_of(spec: str, pair: Pair, cfg: dict, name: str, split: str, trajs: list[Trajectory]):
-    """The cost model that prices one split's rounds: the bench's own of that split and setting (its saved section),
-    a measured one, or a line."""
+def cost_of(spec: str, pair: Pair, cfg: dict, name: str, trajs: list[Trajectory]):
+    """The one cost model that prices a prompt set's rounds, dev and test alike (a machine's costs do not depend on
+    which prompts are being chosen on): the mean of the bench's saved ones of its sections in this setting, else
+    one measured here on the dev prompts, or a line."""
     from decode.costs import CostModel
 
     if spec not in ("bench", "measure"):
         return CostLine.parse(spec)
     if spec == "bench":
-        saved = sorted(Path(cfg["output"]).glob(f"sections/{name}_{split}_{pair.config.sampling.name}-*.json"),
-                       key=lambda f: f.stat().st_mtime)
-        raw = json.loads(saved[-1].read_text()).get("cost_model") if saved else None
-        if raw:
-            cost = Priced(CostModel(**raw))
-            print(f"[replay] {name}/{split}: the bench's cost model ({saved[-1]}): {cost.describe()}", flush=True)
+        saved = [json.loads(f.read_text()).get("cost_model") for split in ("dev", "test") for f in
+                 sorted(Path(cfg["output"]).glob(f"sections/{name}_{split}_{pair.config.sampling.name}-*.json"),
+                        key=lambda f: f.stat().st_mtime)[-1:]]
+        if saved and all(saved):
+            cost = Priced(CostModel.mean([CostModel(**raw) for raw in saved]))
+            print(f"[replay] {name}: the bench's cost model (the mean of its {len(saved)} sections' in "
+                  f"{cfg['output']}/sections): {cost.describe()}", flush=True)
             return cost
     cost = Priced(CostModel.measure(pair, [t.prompt for t in trajs], n_max=21, repeats=5))
-    print(f"[replay] {name}/{split}: cost model measured here: {cost.describe()}", flush=True)
+    print(f"[replay] {name}: cost model measured here: {cost.describe()}", flush=True)
     return cost
 
 
-def report(name: str, setting, trajs: dict, costs: dict, heads: list[str], max_context: int) -> None:
+def report(name: str, setting, trajs: dict, cost, heads: list[str], max_context: int) -> None:
     """Print one prompt set's table: every family's dev choice on test against the best fixed K chosen on dev."""
     from decode.evaluation.intervals import paired_ratio_ci
 
     sampled = setting.temperature > 0
     families = grid(heads, sampled)
-    dev, test = (evaluate(trajs[s], families, costs[s], max_context) for s in ("dev", "test"))
-    oracle = {s: hindsight_speedups(trajs[s], costs[s], max_context) for s in ("dev", "test")}
+    dev, test = (evaluate(trajs[s], families, cost, max_context) for s in ("dev", "test"))
+    oracle = {s: hindsight_speedups(trajs[s], cost, max_context) for s in ("dev", "test")}
     pick = {f: max(range(len(rows)), key=lambda j: rows[j][1].mean()) for f, rows in dev.items()}
     k_dev = test["fixed-K"][pick["fixed-K"]]
     k_hind = max(test["fixed-K"], key=lambda r: r[1].mean())
@@ -167,10 +172,14 @@ def report(name: str, setting, trajs: dict, costs: dict, heads: list[str], max_c
           f"{len(trajs['test'])} test prompts, values chosen on {len(trajs['dev'])} dev prompts; predicted speedup "
           f"over the target alone, and against the best fixed K chosen on dev ({k_dev[0]}) with a paired 95% "
           f"interval over prompts; gap: from that K to the {'perfect head' if sampled else 'hindsight oracle'}\n"
-          f"(cost: {costs['test'].describe()})\n")
+          f"(cost: {cost.describe()})\n")
     print("| policy | chosen on dev | dev speedup | test speedup | vs best K (dev) [95%] | gap closed | tokens per target call |\n"
           "|---|---|---|---|---|---|---|")
-    rows = [(f, rows[pick[f]][0], dev[f][pick[f]][1], *test[f][pick[f]][1:]) for f, rows in dev.items()]
+    def chosen(f):  # a choice at either end of a grid wider than one value may want a wider grid
+        edge = len(dev[f]) > 1 and pick[f] in (0, len(dev[f]) - 1)
+        return dev[f][pick[f]][0] + (" (grid edge)" if edge else "")
+
+    rows = [(f, chosen(f), dev[f][pick[f]][1], *test[f][pick[f]][1:]) for f in dev]
     rows.insert(1, ("fixed-K in hindsight (test)", k_hind[0], None, *k_hind[1:]))
     rows.append(("hindsight oracle", "", oracle["dev"][0], *oracle["test"]))
     for family, value, d, t, per_call in rows:
