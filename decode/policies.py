@@ -157,10 +157,10 @@ class HeadPolicy(Policy):
         self.head, self.config = from_pretrained(head_dir)
         self.features = FeatureSpec(**self.config["features"])
         self.reads_own_state = self.features.position == "own"
-        raw = self.head.inference_fn()  # numpy path: the head's cost at batch 1 is dispatch
-        cal = self.config.get("calibration")
-        # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule multiplies)
-        self.fast_prob = raw if cal is None else functools.partial(calibrated, raw, cal["a"], cal["b"])
+        # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule multiplies),
+        # folded into the head's numpy path, whose cost at batch 1 is dispatch
+        cal = self.config.get("calibration") or {"a": 1.0, "b": 0.0}
+        self.fast_prob = self.head.inference_fn(cal["a"], cal["b"])
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
         self.run = 0  # accepted positions right before this round's first candidate (the extra accepted_run)
 
@@ -222,17 +222,6 @@ class HeadPolicy(Policy):
         """The stop decision once the head has said this candidate's probability (decode.batch computes the
         probabilities of every row in one forward, then asks each row's copy)."""
         raise NotImplementedError
-
-
-def calibrated(raw: Callable, a: float, b: float, x):
-    """sigmoid(a * logit(raw(x)) + b): a head's probability after the calibration recorded in its config (an array
-    of them for a batch of rows)."""
-    p = raw(x)
-    if isinstance(p, float):  # one row: plain floats (numpy's scalar ops cost more than the head at batch 1)
-        p = min(max(p, 1e-7), 1 - 1e-7)
-        return 1.0 / (1.0 + math.exp(-(a * math.log(p / (1 - p)) + b)))
-    p = np.clip(p, 1e-7, 1 - 1e-7)
-    return 1.0 / (1.0 + np.exp(-(a * np.log(p / (1 - p)) + b)))
 
 
 class SpecDecPP(HeadPolicy):

@@ -64,9 +64,10 @@ class AcceptanceHead(Head):
         return self.out(x).squeeze(-1)
 
     @torch.inference_mode()
-    def inference_fn(self):
+    def inference_fn(self, a: float = 1.0, b: float = 0.0):
         """A (in_dim,) -> float probability function for decoding one token at a time; (R, in_dim) -> (R,) array
-        for a batch's rows (decode.batch: one call per draft step serves every row).
+        for a batch's rows (decode.batch: one call per draft step serves every row). a, b: a Platt calibration
+        sigmoid(a * logit + b) (the export's), folded into the output layer.
 
         At batch 1 a head's cost is per-op dispatch, not arithmetic, so the decode path runs on numpy
         float32 arrays with the normalisation folded into the first layer: a depth-1 head is one dot
@@ -76,7 +77,7 @@ class AcceptanceHead(Head):
         shift = (-self.mean / self.std).numpy().astype(np.float32)
         layers = [(b.linear.weight.numpy().astype(np.float32).T.copy(), b.linear.bias.numpy().astype(np.float32))
                   for b in self.blocks]  # transposed: x @ w reads a row or a batch of rows alike
-        w_out, b_out = self.out.weight[0].numpy().astype(np.float32), float(self.out.bias[0])
+        w_out, b_out = a * self.out.weight[0].numpy().astype(np.float32), a * float(self.out.bias[0]) + b
 
         def out(x, z):
             p = 1.0 / (1.0 + np.exp(-(z + b_out)))

@@ -253,8 +253,9 @@ def grid(heads: list[str], sampled: bool = False) -> dict[str, list[tuple[str, C
 
     out = {"fixed-K": [(f"K={k}", functools.partial(FixedK, k)) for k in range(1, 11)],
            "draft-confidence": [(f"{c:g}", functools.partial(DraftConfidence, c)) for c in
-                                (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)],
-           "adaedl": [(f"lam={v:g}", functools.partial(AdaEDL, v)) for v in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)]}
+                                (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)],
+           "adaedl": [(f"lam={v:g}", functools.partial(AdaEDL, v)) for v in
+                      (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)]}
     for head in heads:
         name = Path(head).name
         out[f"SpecDec++ {name}"] = [(f"h={h:g}", functools.partial(SpecDecPP, head, h)) for h in
