@@ -222,6 +222,14 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None):
     if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
         model.to(device)
     model.eval().requires_grad_(False)
+    # Decoding feeds one sequence unpadded, or a padded batch with its mask (decode.rowcache): a lone EOS token fed
+    # to a model whose pad id is the EOS id is not padding, and transformers' "we strongly recommend passing an
+    # attention_mask" line (printed the first time a response holds one) would only bury the project's own lines.
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
     return model
 
 

@@ -63,6 +63,32 @@ def test_decoding_and_the_hf_paths_raise_no_deprecation(hf_pair, tmp_path):
                                 max_new_tokens=8)
 
 
+def test_decoding_a_lone_eos_token_prints_no_padding_advice(hf_pair):
+    """A response that holds the EOS token, which is also the pad token, is fed to the models unpadded: transformers'
+    "we strongly recommend passing in an attention_mask" line does not apply, and is not printed."""
+    import transformers.utils.logging as tf_logging
+
+    eos, saved = hf_pair.eos_ids[0], [m.config.pad_token_id for m in (hf_pair.draft, hf_pair.target)]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger, level = tf_logging.get_logger("transformers"), tf_logging.get_verbosity()
+    tf_logging.set_verbosity_warning()
+    tf_logging.warning_once.cache_clear()
+    logger.addHandler(handler)
+    try:
+        for m in (hf_pair.draft, hf_pair.target):
+            m.config.pad_token_id = eos  # the pycode pair's case: pad = EOS = BOS
+            with torch.no_grad():
+                m(torch.tensor([[3, eos]]))
+    finally:
+        logger.removeHandler(handler)
+        tf_logging.set_verbosity(level)
+        for m, pad in zip((hf_pair.draft, hf_pair.target), saved):
+            m.config.pad_token_id = pad
+    assert not [r.getMessage() for r in records if "attention_mask" in r.getMessage()]
+
+
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     from decode.pair import load_pair
