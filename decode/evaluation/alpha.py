@@ -18,7 +18,7 @@ import numpy as np
 from sklearn.metrics import roc_auc_score
 
 from decode.evaluation.replay import Trajectory, replay
-from decode.policies import CostAwareStop, FixedK, HeadPolicy
+from decode.policies import FixedK, HeadPolicy
 
 
 class _Spy(FixedK):
@@ -51,39 +51,16 @@ def scores(said: np.ndarray, alpha: np.ndarray, coin: np.ndarray) -> dict[str, f
             "mean": float(said.mean()), "alpha": float(alpha.mean())}
 
 
-def said_and_alpha(trajs: list[Trajectory], head: str | None, max_context: int) -> tuple[np.ndarray, ...]:
-    """(N,) what a head (None: the draft's confidence) says of each candidate of fixed-K rounds, (N,) alpha, (N,) coin."""
-    from decode.policies import SpecDecPP
-
-    spy = _Spy(max(len(r.tokens) for t in trajs for r in t.runs), None if head is None else SpecDecPP(head))
-    for traj in trajs:
-        replay(traj, spy, max_context)
-    said, alpha, coin = (np.array(x, dtype=float) for x in zip(*spy.seen))
-    return said, alpha, coin.astype(bool)
-
-
 def alpha_table(trajs: list[Trajectory], heads: dict[str, str], max_context: int) -> dict[str, dict[str, float]]:
     """name -> scores, for "draft confidence" and each head (name -> head folder), on sampled recordings."""
-    return {name: scores(*said_and_alpha(trajs, head, max_context))
-            for name, head in {"draft confidence": None, **heads}.items()}
+    from decode.policies import SpecDecPP
 
-
-class RemappedStop(CostAwareStop):
-    """A lever: the cost-aware stop on E[alpha | the head's probability], an isotonic map fitted on dev recordings
-    (fit_remap), instead of the head's probability calibrated against the coin at export."""
-
-    def __init__(self, head_dir: str, knots: tuple[np.ndarray, np.ndarray], **kw):
-        super().__init__(head_dir, **kw)
-        self.knots = knots
-
-    def prob(self, step):
-        return float(np.interp(super().prob(step), *self.knots))
-
-
-def fit_remap(trajs: list[Trajectory], head: str, max_context: int) -> tuple[np.ndarray, np.ndarray]:
-    """The isotonic regression of alpha on the head's probability over the trajectories, as (x, y) knots."""
-    from sklearn.isotonic import IsotonicRegression
-
-    said, alpha, _ = said_and_alpha(trajs, head, max_context)
-    iso = IsotonicRegression(out_of_bounds="clip", y_min=0.0, y_max=1.0).fit(said, alpha)
-    return iso.X_thresholds_, iso.y_thresholds_
+    k = max(len(r.tokens) for t in trajs for r in t.runs)
+    out = {}
+    for name, head in {"draft confidence": None, **heads}.items():
+        spy = _Spy(k, None if head is None else SpecDecPP(head))
+        for traj in trajs:
+            replay(traj, spy, max_context)
+        said, alpha, coin = (np.array(x, dtype=float) for x in zip(*spy.seen))
+        out[name] = scores(said, alpha, coin.astype(bool))
+    return out

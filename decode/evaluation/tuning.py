@@ -18,7 +18,6 @@ the pair and the prompts; resumable); decode.evaluation.replay does the replayin
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import time
@@ -162,13 +161,6 @@ def report(name: str, setting, trajs: dict, cost, heads: list[str], max_context:
 
     sampled = setting.temperature > 0
     families = grid(heads, sampled)
-    if sampled:  # a lever: each head's probabilities mapped to E[alpha | them] on the dev recordings
-        from decode.evaluation.alpha import RemappedStop, fit_remap
-
-        for head in heads:
-            knots = fit_remap(trajs["dev"], head, max_context)
-            families[f"cost-aware {Path(head).name}, alpha-remapped on dev"] = \
-                [("", functools.partial(RemappedStop, head, knots))]
     dev, test = (evaluate(trajs[s], families, cost, max_context) for s in ("dev", "test"))
     oracle = {s: hindsight_speedups(trajs[s], cost, max_context) for s in ("dev", "test")}
     pick = {f: max(range(len(rows)), key=lambda j: rows[j][1].mean()) for f, rows in dev.items()}
