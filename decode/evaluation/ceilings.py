@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from decode.evaluation.replay import Trajectory, record
+from decode.evaluation.replay import Trajectory, per_prompt, record
 from decode.policies import Policy, RenewalStop, check_max_len
 
 
@@ -79,6 +79,11 @@ def hindsight(traj: Trajectory, cost, max_context: int) -> tuple[list[tuple[str,
         n = next((j for j in range(k) if out + j >= len(y) or not run.accepted(j, y[out + j])), k)
         out, feed = out + n + 1, 2 if n == k else 1
     return calls, min(out, len(y))
+
+
+def hindsight_speedups(trajs: list[Trajectory], cost, max_context: int):
+    """decode.evaluation.replay.per_prompt() of the hindsight oracle: ((P,) speedups, tokens per target call)."""
+    return per_prompt(trajs, lambda t: hindsight(t, cost, max_context), cost)
 
 
 class StepCosts:

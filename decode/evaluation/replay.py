@@ -244,11 +244,8 @@ def speedup(trajs: list[Trajectory], policy: Policy, cost, max_context: int) -> 
     return float(ratios.mean()), per_call
 
 
-def grid(heads: list[str], sampled: bool = False) -> dict[str, list[tuple[str, Callable[[], Policy]]]]:
-    """family -> [(value, policy factory)]: wide grids, so that a value chosen on dev is not at an edge. Under
-    sampling the perfect head (decode.evaluation.ceilings) joins them; the hindsight oracle is not a policy
-    (hindsight_speedups)."""
-    from decode.evaluation.ceilings import PerfectHead
+def grid(heads: list[str]) -> dict[str, list[tuple[str, Callable[[], Policy]]]]:
+    """family -> [(value, policy factory)]: wide grids, so that a value chosen on dev is not at an edge."""
     from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, SpecDecPP
 
     out = {"fixed-K": [(f"K={k}", functools.partial(FixedK, k)) for k in range(1, 11)],
@@ -261,8 +258,6 @@ def grid(heads: list[str], sampled: bool = False) -> dict[str, list[tuple[str, C
         out[f"SpecDec++ {name}"] = [(f"h={h:g}", functools.partial(SpecDecPP, head, h)) for h in
                                     (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)]
         out[f"cost-aware {name}"] = [("", functools.partial(CostAwareStop, head))]
-    if sampled:
-        out["perfect head"] = [("", PerfectHead)]
     return out
 
 
@@ -278,13 +273,6 @@ def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[st
             rows.append((value, *per_prompt(trajs, lambda t, p=policy: replay(t, p, max_context), cost)))
         out[family] = rows
     return out
-
-
-def hindsight_speedups(trajs: list[Trajectory], cost, max_context: int) -> tuple[np.ndarray, float]:
-    """per_prompt() of the hindsight oracle (decode.evaluation.ceilings.hindsight)."""
-    from decode.evaluation.ceilings import hindsight
-
-    return per_prompt(trajs, lambda t: hindsight(t, cost, max_context), cost)
 
 
 class Priced:

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
+from decode.evaluation.ceilings import PerfectHead, hindsight_speedups
 from decode.evaluation.replay import (
     CostLine,
     Priced,
     Trajectory,
     evaluate,
     grid,
-    hindsight_speedups,
     load_trajectories,
     record,
     replay,
@@ -160,7 +160,9 @@ def report(name: str, setting, trajs: dict, cost, heads: list[str], max_context:
     from decode.evaluation.intervals import paired_ratio_ci
 
     sampled = setting.temperature > 0
-    families = grid(heads, sampled)
+    families = grid(heads)
+    if sampled:
+        families["perfect head"] = [("", PerfectHead)]
     dev, test = (evaluate(trajs[s], families, cost, max_context) for s in ("dev", "test"))
     oracle = {s: hindsight_speedups(trajs[s], cost, max_context) for s in ("dev", "test")}
     pick = {f: max(range(len(rows)), key=lambda j: rows[j][1].mean()) for f, rows in dev.items()}
