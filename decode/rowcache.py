@@ -69,8 +69,9 @@ class RowCache:
                 and layer.keys.numel() and getattr(layer, "buffers", None) is not None]
 
     def bytes(self) -> int:
-        """Bytes the key and value buffers hold (with their spare room)."""
-        return sum(b.numel() * b.element_size() for layer in self._layers() for b in layer.buffers)
+        """Bytes the key and value buffers hold (with their spare room, and the buffers kept for the next move)."""
+        return sum(b.numel() * b.element_size() for layer in self._layers()
+                   for b in (*layer.buffers, *getattr(layer, "spare", ())))
 
     def keep(self, lengths: torch.Tensor) -> None:
         """Cut row b back to its first lengths[b] tokens (at most what it holds): its cache moves right by what it
@@ -90,8 +91,9 @@ class RowCache:
         self.pad = self.width - lengths
 
     def _move(self, cols: torch.Tensor) -> None:
-        """New column j of row b is old column cols[b, j]: one index_select of (D,) vectors per buffer, into fresh
-        buffers with ROOM spare columns."""
+        """New column j of row b is old column cols[b, j]: one index_select of (D,) vectors per buffer, into buffers
+        with ROOM spare columns. The buffers a move leaves behind are kept and written by the next move: at batch 256
+        a fresh allocation (the kernel zeroing hundreds of MiB of new pages) cost more than the copy itself."""
         rows, new = cols.shape
         for layer in self._layers():
             buf = layer.buffers[0]
@@ -99,8 +101,13 @@ class RowCache:
             base = (torch.arange(rows)[:, None, None] * h + torch.arange(h)[None, :, None]) * cap
             src = torch.cat([cols, cols.new_zeros(rows, ROOM)], 1)  # the room is filled with whatever: never read
             flat = (base + src[:, None, :]).reshape(-1).to(buf.device)
-            layer.buffers = tuple(x.reshape(-1, d).index_select(0, flat).view(rows, h, new + ROOM, d)
-                                  for x in layer.buffers)
+            spare = getattr(layer, "spare", None)
+            if spare is None or spare[0].numel() < flat.numel() * d or spare[0].dtype != buf.dtype:
+                spare = tuple(x.new_empty(flat.numel() * d) for x in layer.buffers)
+            moved = tuple(torch.index_select(x.reshape(-1, d), 0, flat, out=y[: flat.numel() * d].view(-1, d))
+                          for x, y in zip(layer.buffers, spare))
+            layer.spare = tuple(x.reshape(-1) for x in layer.buffers)  # the old buffers, for the next move
+            layer.buffers = tuple(x.view(rows, h, new + ROOM, d) for x in moved)
             layer.keys, layer.values = (x[:, :, :new] for x in layer.buffers)
 
     def select(self, rows: torch.Tensor) -> None:
