@@ -16,6 +16,7 @@ import torch
 
 from decode.costs import clock, measure_costs
 from decode.kvcache import crop_cache, forward, rollback_cache
+from decode.labels import accept_prob
 from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule
@@ -178,6 +179,10 @@ class SpeculativeDecoder:
                 logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
                 stats.draft_calls += 1
             step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1] if own else None)
+            if getattr(policy, "needs_alpha", False):  # the perfect head reads the target's verdict, off the books
+                t0 = self.now()
+                step.alpha = self._alpha(seq + tokens[:-1], tok, q)
+                stats.t_oracle += self.now() - t0
             t0, t_oracle = self.now(), stats.t_oracle
             stop = policy.stop(step)
             stats.t_head += self.now() - t0 - (stats.t_oracle - t_oracle)
@@ -186,6 +191,13 @@ class SpeculativeDecoder:
             if not own:
                 logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
                 stats.draft_calls += 1
+
+    @torch.no_grad()
+    def _alpha(self, prefix: list[int], token: int, q: torch.Tensor) -> float:
+        """min(1, p/q) of a candidate after prefix, the target run over it off the books (the perfect head only)."""
+        x = torch.tensor([prefix], device=self.pair.input_device("target"))
+        p = transform(self.pair.logits(self.pair.target(x).logits[0, -1:]), self.pair.config.sampling)[0]
+        return float(accept_prob(p[token], q[token].to(p.device)))
 
     @torch.no_grad()
     def _peek(self, prefix: list[int]) -> int:

@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from decode.evaluation.ceilings import PerfectHead, hindsight, round_calls
 from decode.evaluation.intervals import paired_ratio_ci
@@ -77,7 +78,7 @@ def test_the_perfect_head_reads_the_true_acceptance_and_only_under_sampling(tiny
     for run in traj.runs:  # candidates sure to be accepted: always worth drafting on, to the recording's end
         run.accept = [1.0] * len(run.tokens)
     assert all(k == 6 or k >= traj.max_new - out for k, out in rounds(replay(traj, PerfectHead(1.0, 5.0, 0.25), 512)[0]))
-    with pytest.raises(ValueError, match="only replay of a sampled recording"):
+    with pytest.raises(ValueError, match="replay supplies only under sampling"):
         replay(record(tiny_pair.with_sampling(temperature=0.0), PROMPTS[0], 8, kmax=4, hidden=False), PerfectHead(1.0, 5.0, 0.25), 512)
 
 
@@ -149,3 +150,31 @@ def test_the_replay_report_chooses_on_dev_and_prints_ceilings_and_what_heads_kno
                 and not line.startswith("| policy")]
     assert float(rows["hindsight oracle"][3]) == max(speedups)
     assert float(rows["head"][1]) < 1 and 0 < float(rows["head"][4]) < 1  # R^2 and AUROC against alpha
+
+
+def test_the_engine_hands_the_perfect_head_each_candidates_true_alpha(tiny_pair):
+    """Under sampling the engine computes min(1, p/q) of every candidate off the books (a full target forward over
+    its prefix), the perfect head stops on it, and the wall time leaves that work out."""
+    from decode.engine import SpeculativeDecoder
+    from decode.labels import accept_prob
+    from decode.rules import SpeculativeSampling
+    from decode.sampling import transform
+
+    pair = tiny_pair.with_sampling(temperature=1.0)
+    seen = []
+
+    class Spy(PerfectHead):
+        def stop(self, step):
+            seen.append((step.index, step.token, step.q, step.alpha))
+            return super().stop(step)
+
+    dec = SpeculativeDecoder(pair, Spy(1.0, 5.0, 0.25), SpeculativeSampling(), seed=0)
+    prompt = PROMPTS[0]
+    out = dec.generate(prompt, 12)
+    assert seen and out.stats.t_oracle > 0 and out.stats.wall > 0
+    text = list(prompt) + out.tokens  # the first round's first candidate follows the prompt itself
+    _, tok, q, alpha = seen[0]
+    with torch.no_grad():
+        p = transform(pair.logits(pair.target(torch.tensor([text[:len(prompt)]])).logits[0, -1:]), pair.config.sampling)[0]
+    assert alpha == pytest.approx(float(accept_prob(p[tok], q[tok])), rel=1e-5)
+    assert all(0.0 <= a <= 1.0 for *_, a in seen)

@@ -13,8 +13,9 @@
   past its first sure token only while the cost model says so. Under greedy it is exact, and at or above every
   policy replayed on the same trajectories and cost model: each of them chooses among the same rounds.
 - PerfectHead: the best any acceptance head can do with the cost-aware rule, fed alpha = min(1, p/q), the
-  probability the target accepts the candidate (known only to the target). Sampling only (under greedy alpha
-  is the agreement itself, and the hindsight oracle is the limit).
+  probability the target accepts the candidate (known only to the target). Replay of a sampled recording supplies
+  it, and so does the engine, which runs the target over each candidate's prefix off the books (the bench's
+  sampling sections). Under greedy alpha is the agreement itself, and the hindsight oracle is the limit.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from decode.policies import Policy, RenewalStop, check_max_len
 
 
 class PerfectHead(RenewalStop):
-    """CostAwareStop's rule on each candidate's true acceptance probability, which replay supplies (step.alpha)."""
+    """CostAwareStop's rule on each candidate's true acceptance probability (step.alpha: from replay under sampling,
+    or from the engine off the books)."""
 
     needs_alpha = True
 
     def stop(self, step):
         if getattr(step, "alpha", None) is None:
-            raise ValueError("PerfectHead reads each candidate's true acceptance probability, which only replay of a "
-                             "sampled recording supplies (decode.evaluation.replay): replay it under sampling")
+            raise ValueError("PerfectHead reads each candidate's true acceptance probability, which replay supplies "
+                             "only under sampling: replay a sampled setting, or decode with SpeculativeDecoder")
         return self.given(step.alpha)
 
 
