@@ -101,12 +101,8 @@ class RowCache:
             base = (torch.arange(rows)[:, None, None] * h + torch.arange(h)[None, :, None]) * cap
             src = torch.cat([cols, cols.new_zeros(rows, ROOM)], 1)  # the room is filled with whatever: never read
             flat = (base + src[:, None, :]).reshape(-1).to(buf.device)
-            spare = getattr(layer, "spare", None)
-            if spare is None or spare[0].numel() < flat.numel() * d or spare[0].dtype != buf.dtype:
-                spare = tuple(x.new_empty(flat.numel() * d) for x in layer.buffers)
-            moved = tuple(torch.index_select(x.reshape(-1, d), 0, flat, out=y[: flat.numel() * d].view(-1, d))
-                          for x, y in zip(layer.buffers, spare))
-            layer.spare = tuple(x.reshape(-1) for x in layer.buffers)  # the old buffers, for the next move
+            moved = [torch.index_select(x.reshape(-1, d), 0, flat, out=y.view(-1, d))
+                     for x, y in zip(layer.buffers, _spare(layer, flat.numel() * d))]
             layer.buffers = tuple(x.view(rows, h, new + ROOM, d) for x in moved)
             layer.keys, layer.values = (x[:, :, :new] for x in layer.buffers)
 
@@ -114,9 +110,22 @@ class RowCache:
         """Keep only these rows (indices into the current batch), in this order."""
         for layer in self._layers():
             r = rows.to(layer.keys.device)
-            layer.buffers = tuple(x.index_select(0, r) for x in layer.buffers)
+            shape = (len(rows), *layer.buffers[0].shape[1:])
+            moved = [torch.index_select(x, 0, r, out=y.view(shape))
+                     for x, y in zip(layer.buffers, _spare(layer, shape[0] * shape[1] * shape[2] * shape[3]))]
+            layer.buffers = tuple(moved)
             layer.keys, layer.values = (x[:, :, :self.width] for x in layer.buffers)
         self.pad = self.pad.index_select(0, rows)
         left = int(self.pad.min()) if len(rows) else 0
         if left:
             self.keep(self.length)
+
+
+def _spare(layer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat tensors of numel elements to write a layer's moved keys and values into: the buffers the layer's
+    previous move left behind when they are large enough, else fresh ones. The current buffers become the spare."""
+    spare = getattr(layer, "spare", None)
+    if spare is None or spare[0].numel() < numel or spare[0].dtype != layer.buffers[0].dtype:
+        spare = tuple(x.new_empty(numel) for x in layer.buffers)
+    layer.spare = tuple(x.reshape(-1) for x in layer.buffers)
+    return tuple(x[:numel] for x in spare)
