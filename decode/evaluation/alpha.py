@@ -18,7 +18,7 @@ import numpy as np
 from sklearn.metrics import roc_auc_score
 
 from decode.evaluation.replay import Trajectory, replay
-from decode.policies import FixedK, HeadPolicy
+from decode.policies import FixedK, HeadPolicy, SpecDecPP
 
 
 class _Spy(FixedK):
@@ -53,8 +53,6 @@ def scores(said: np.ndarray, alpha: np.ndarray, coin: np.ndarray) -> dict[str, f
 
 def alpha_table(trajs: list[Trajectory], heads: dict[str, str], max_context: int) -> dict[str, dict[str, float]]:
     """name -> scores, for "draft confidence" and each head (name -> head folder), on sampled recordings."""
-    from decode.policies import SpecDecPP
-
     k = max(len(r.tokens) for t in trajs for r in t.runs)
     out = {}
     for name, head in {"draft confidence": None, **heads}.items():

@@ -62,8 +62,7 @@ def hindsight(traj: Trajectory, cost, max_context: int) -> tuple[list[tuple[str,
     for out in range(len(y) - 1, -1, -1):
         run = traj.runs[out]
         limit = max(1, min(traj.max_new - out, max_context - (T - 1 + out) - 2))
-        agree = next((j for j in range(len(run.tokens)) if out + j >= len(y) or not run.accepted(j, y[out + j])),
-                     len(run.tokens))
+        agree = run.leading(y, out, len(run.tokens))
         for feed in (1, 2):
             options = []
             for k in range(1, min(len(run.tokens), limit) + 1):
@@ -77,8 +76,7 @@ def hindsight(traj: Trajectory, cost, max_context: int) -> tuple[list[tuple[str,
     while out < len(y):
         k = best[(out, feed)][1]
         calls += round_calls(feed, k)
-        run = traj.runs[out]
-        n = next((j for j in range(k) if out + j >= len(y) or not run.accepted(j, y[out + j])), k)
+        n = traj.runs[out].leading(y, out, k)
         out, feed = out + n + 1, 2 if n == k else 1
     return calls, min(out, len(y))
 

@@ -55,6 +55,11 @@ class FreeRun:
         """Would verification accept token j, the response having target_token there? (Greedy: equal tokens.)"""
         return self.tokens[j] == target_token if self.accept is None else self.uniform[j] < self.accept[j]
 
+    def leading(self, response: list[int], at: int, k: int) -> int:
+        """How many of the first k tokens verification accepts when the run starts after response[:at] (none past
+        the response's end)."""
+        return next((j for j in range(k) if at + j >= len(response) or not self.accepted(j, response[at + j])), k)
+
 
 @dataclass
 class Trajectory:
@@ -182,7 +187,7 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
                 calls.append(("draft", 1))
                 draft_len += 1
         calls.append(("target", k + 1))
-        n_acc = next((j for j in range(k) if out + j >= len(y) or not run.accepted(j, y[out + j])), k)
+        n_acc = run.leading(y, out, k)
         policy.verified(n_acc, k)
         committed += 1 + n_acc
         draft_len = min(draft_len, committed)
