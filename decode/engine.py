@@ -165,7 +165,7 @@ class SpeculativeDecoder:
                 return ok
 
             policy.peek = peek
-        own = policy.reads_own_state
+        own, needs_alpha = policy.reads_own_state, getattr(policy, "needs_alpha", False)
         while True:
             t0 = self.now()
             raw = logits[-1]
@@ -179,7 +179,7 @@ class SpeculativeDecoder:
                 logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
                 stats.draft_calls += 1
             step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1] if own else None)
-            if getattr(policy, "needs_alpha", False):  # the perfect head reads the target's verdict, off the books
+            if needs_alpha:  # the perfect head reads the target's verdict, off the books
                 t0 = self.now()
                 step.alpha = self._alpha(seq + tokens[:-1], tok, q)
                 stats.t_oracle += self.now() - t0
@@ -193,17 +193,19 @@ class SpeculativeDecoder:
                 stats.draft_calls += 1
 
     @torch.no_grad()
-    def _alpha(self, prefix: list[int], token: int, q: torch.Tensor) -> float:
-        """min(1, p/q) of a candidate after prefix, the target run over it off the books (the perfect head only)."""
+    def _target_after(self, prefix: list[int]) -> torch.Tensor:
+        """(V,) the target's logits after prefix, run over it whole off the books (the ceilings only)."""
         x = torch.tensor([prefix], device=self.pair.input_device("target"))
-        p = transform(self.pair.logits(self.pair.target(x).logits[0, -1:]), self.pair.config.sampling)[0]
+        return self.pair.logits(self.pair.target(x).logits[0, -1])
+
+    def _alpha(self, prefix: list[int], token: int, q: torch.Tensor) -> float:
+        """min(1, p/q) of a candidate after prefix (the perfect head)."""
+        p = transform(self._target_after(prefix)[None], self.pair.config.sampling)[0]
         return float(accept_prob(p[token], q[token].to(p.device)))
 
-    @torch.no_grad()
     def _peek(self, prefix: list[int]) -> int:
-        """Target argmax after prefix, off the books (for the oracle only)."""
-        x = torch.tensor([prefix], device=self.pair.input_device("target"))
-        return int(self.pair.logits(self.pair.target(x).logits[0, -1]).argmax())
+        """Target argmax after prefix (the first-disagreement oracle)."""
+        return int(self._target_after(prefix).argmax())
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
         """Prompt token ids -> new tokens (stops at EOS or max_new_tokens), text and stats.
