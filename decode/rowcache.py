@@ -111,9 +111,8 @@ class RowCache:
         for layer in self._layers():
             r = rows.to(layer.keys.device)
             shape = (len(rows), *layer.buffers[0].shape[1:])
-            moved = [torch.index_select(x, 0, r, out=y.view(shape))
-                     for x, y in zip(layer.buffers, _spare(layer, shape[0] * shape[1] * shape[2] * shape[3]))]
-            layer.buffers = tuple(moved)
+            layer.buffers = tuple(torch.index_select(x, 0, r, out=y.view(shape))
+                                  for x, y in zip(layer.buffers, _spare(layer, len(rows) * layer.buffers[0][0].numel())))
             layer.keys, layer.values = (x[:, :, :self.width] for x in layer.buffers)
         self.pad = self.pad.index_select(0, rows)
         left = int(self.pad.min()) if len(rows) else 0

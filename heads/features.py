@@ -16,8 +16,10 @@ target-prefix label sets (every sequence of kind "target", e.g. configs/data_gen
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 EXTRAS = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")
@@ -58,16 +60,11 @@ class FeatureSpec:
     def row(self, hidden, draft_entropy: float, draft_top1: float, q_cand: float, accepted_run: int = 0):
         """build() of one row as a float32 numpy array, the scalars as Python floats: at batch 1 the decoder pays
         per tensor op, and a row is a few hundred floats (decode.policies.HeadPolicy.prob)."""
-        import math
-
-        import numpy as np
-
         scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
                    "cand_logq": math.log(max(float(q_cand), 1e-20)),
                    "accepted_run": math.log1p(min(max(accepted_run, 0), RUN_CAP))}
         extras = np.array([scalars[e] for e in self.extras], dtype=np.float32)
-        return np.concatenate([np.asarray(hidden, dtype=np.float32), extras]) if self.extras else \
-            np.asarray(hidden, dtype=np.float32)
+        return np.concatenate([np.asarray(hidden, dtype=np.float32), extras])
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -23,9 +23,9 @@ DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
 
 
 @contextlib.contextmanager
-def no_deprecations():
-    """Fails on a deprecation from any library, as a Python warning or as a transformers log line (transformers
-    reports some, such as the generation_config form, through its logger, once per process)."""
+def transformers_log():
+    """The records transformers logs at warning level inside the block, its once-per-process cache cleared first
+    (transformers reports some lines, such as the generation_config form, through its logger, once per process)."""
     import transformers.utils.logging as tf_logging
 
     records = []
@@ -36,12 +36,18 @@ def no_deprecations():
     tf_logging.warning_once.cache_clear()
     logger.addHandler(handler)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield
+        yield records
     finally:
         logger.removeHandler(handler)
         tf_logging.set_verbosity(level)
+
+
+@contextlib.contextmanager
+def no_deprecations():
+    """Fails on a deprecation from any library, as a Python warning or as a transformers log line."""
+    with transformers_log() as records, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
     bad = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DEPRECATIONS)]
     bad += [r.getMessage() for r in records if "deprecat" in r.getMessage().lower()]
     assert not bad, "\n".join(bad)
@@ -66,24 +72,14 @@ def test_decoding_and_the_hf_paths_raise_no_deprecation(hf_pair, tmp_path):
 def test_decoding_a_lone_eos_token_prints_no_padding_advice(hf_pair):
     """A response that holds the EOS token, which is also the pad token, is fed to the models unpadded: transformers'
     "we strongly recommend passing in an attention_mask" line does not apply, and is not printed."""
-    import transformers.utils.logging as tf_logging
-
     eos, saved = hf_pair.eos_ids[0], [m.config.pad_token_id for m in (hf_pair.draft, hf_pair.target)]
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger, level = tf_logging.get_logger("transformers"), tf_logging.get_verbosity()
-    tf_logging.set_verbosity_warning()
-    tf_logging.warning_once.cache_clear()
-    logger.addHandler(handler)
     try:
-        for m in (hf_pair.draft, hf_pair.target):
-            m.config.pad_token_id = eos  # the pycode pair's case: pad = EOS = BOS
-            with torch.no_grad():
-                m(torch.tensor([[3, eos]]))
+        with transformers_log() as records:
+            for m in (hf_pair.draft, hf_pair.target):
+                m.config.pad_token_id = eos  # the pycode pair's case: pad = EOS = BOS
+                with torch.no_grad():
+                    m(torch.tensor([[3, eos]]))
     finally:
-        logger.removeHandler(handler)
-        tf_logging.set_verbosity(level)
         for m, pad in zip((hf_pair.draft, hf_pair.target), saved):
             m.config.pad_token_id = pad
     assert not [r.getMessage() for r in records if "attention_mask" in r.getMessage()]
