@@ -9,12 +9,13 @@ TINY_BENCH = {
     "max_new_tokens": 10, "prompt_sets": [{"name": "pycode", "dev": {"split": "dev", "limit": 3},
                                            "test": {"split": "test", "limit": 4}}],
     "goals": [{"kind": "beats", "name": "SD beats FSD", "a": "fixed", "b": "fsd"},
-              {"kind": "each", "name": "SD vs HF", "a": "SD K={v}", "b": "HF K={v}", "values": [2]}],
+              {"kind": "each", "name": "SD vs HF", "a": "SD K={v}", "b": "HF K={v}", "values": [2]},
+              {"kind": "beats", "name": "FSD beats the K chosen on dev", "a": "fsd", "b": "fixed@dev"}],
     "sections": [{"sampling": {"temperature": 1.0}, "methods": [
         {"name": "target", "kind": "target"}, {"name": "draft", "kind": "draft"},
         {"name": "HF K={v}", "kind": "hf", "grid": {"hf.k": [2]}},
         {"name": "HF confidence", "kind": "hf", "hf": {"confidence": 0.4}},
-        {"name": "SD K={v}", "family": "fixed", "policy": {"class_path": "decode.policies.FixedK"},
+        {"name": "SD K={v}", "family": "fixed", "select": "mark", "policy": {"class_path": "decode.policies.FixedK"},
          "rule": {"class_path": "decode.rules.SpeculativeSampling"}, "grid": {"policy.k": [1, 2]}},
         {"name": "FSD JS T={v}", "family": "fsd", "select": "dev",
          "policy": {"class_path": "decode.policies.FixedK", "init_args": {"k": 3}},
@@ -91,8 +92,11 @@ def test_bench_prints_table_and_writes_csv_and_plots(tmp_path, capsys):
     for r in rows[1:6]:
         assert r["speedup_lo"] <= r["speedup"] <= r["speedup_hi"]
     assert rows[4]["discard_rate"] >= 0 and rows[4]["mean_accepted"] <= 1
+    # both Ks ran on test, and replay on dev marked one of them
+    assert [r["dev_choice"] for r in rows[4:6]] in ([True, False], [False, True]) and not rows[0]["dev_choice"]
     out = capsys.readouterr().out
     assert "| SD K=2 |" in out and "measured/predicted" in out and "**SD vs HF**" in out
+    assert "**FSD beats the K chosen on dev**" in out and "fixed, replayed speedup on 3 dev prompts" in out
     with open(tmp_path / "out" / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) > len(rows)  # test rows and the dev sweep
     assert "FSD JS T=0.1" in (tmp_path / "out" / "dev.md").read_text()
@@ -304,4 +308,25 @@ def test_summary_table_takes_the_best_fixed_k_and_drops_families_the_run_lacks()
             row("oracle", "oracle", 1.5), row("SD K=3", "fixed-K", 9.0, prompts="pycode/dev greedy")]
     lines = summary(rows).splitlines()
     assert lines[0].count("|") == 8 and "best fixed K" in lines[0] and "SPRINTER" not in lines[0]
+    assert "chosen on dev" not in lines[0]  # no row marked: an older run, or --quick
     assert len(lines) == 3 and "1.30 [1.20, 1.40] (K=3)" in lines[2] and "9.00" not in lines[2]
+    rows[1]["dev_choice"] = "True"  # as bench.csv holds it: the dev choice is K = 2, slower on test
+    lines = summary(rows).splitlines()
+    assert "| best fixed K (hindsight) | fixed K chosen on dev |" in lines[0]
+    assert "1.30 [1.20, 1.40] (K=3) | 1.20 [1.10, 1.30] (K=2)" in lines[2]
+
+
+def test_goals_against_the_fixed_k_chosen_on_dev():
+    from decode.evaluation.goals import goal_lines
+
+    rows = [{"method": "SD K=2", "family": "fixed-K", "speedup": 1.2, "speedup_lo": 1.15, "speedup_hi": 1.25,
+             "dev_choice": True},
+            {"method": "SD K=3", "family": "fixed-K", "speedup": 1.5, "speedup_lo": 1.45, "speedup_hi": 1.55},
+            {"method": "stop", "family": "cost-aware", "speedup": 1.35, "speedup_lo": 1.3, "speedup_hi": 1.4}]
+    goals = [{"kind": "beats", "name": "vs dev K", "a": "cost-aware", "b": "fixed-K@dev"},
+             {"kind": "beats", "name": "vs hindsight K", "a": "cost-aware", "b": "fixed-K"}]
+    dev, hindsight = goal_lines(rows, goals)
+    assert dev.startswith("- **vs dev K** — met") and "SD K=2" in dev
+    assert hindsight.startswith("- **vs hindsight K** — NOT met") and "SD K=3" in hindsight
+    rows[0]["dev_choice"] = False  # no row marked: the goal has no line, rather than a guess
+    assert goal_lines(rows, goals[:1]) == []

@@ -149,7 +149,9 @@ def test_the_replay_report_chooses_on_dev_and_prints_ceilings_and_what_heads_kno
     speedups = [float(line.split(" | ")[3]) for line in policies.splitlines() if line.startswith("| ")
                 and not line.startswith("| policy")]
     assert float(rows["hindsight oracle"][3]) == max(speedups)
-    assert float(rows["head"][1]) < 1 and 0 < float(rows["head"][4]) < 1  # R^2 and AUROC against alpha
+    # R^2 and AUROC against alpha, on dev and on test (the last row of each predictor)
+    assert rows["head"][1] == "test" and float(rows["head"][2]) < 1 and 0 < float(rows["head"][5]) < 1
+    assert sum(line.startswith("| head | dev |") for line in out.splitlines()) == 1
 
 
 def test_the_engine_hands_the_perfect_head_each_candidates_true_alpha(tiny_pair):

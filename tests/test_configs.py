@@ -94,7 +94,8 @@ def test_bench_configs_name_real_classes_arguments_and_heads(path):
         if head:  # a shipped head, or one that a shipped recipe exports for this setting
             assert (ROOT / head / "config.json").exists() or any(head == h + suffix for h in exported), \
                 f"{path.name}: {m.name} names {head}, which no recipe in heads/ exports"
-    assert {m.select for _, m in methods} <= {"", "dev"}
+    assert {m.select for _, m in methods} <= {"", "dev", "mark"}
+    assert all(m.family == "fixed-K" for _, m in methods if m.select == "mark")  # what goals call fixed-K@dev
 
 
 @pytest.mark.parametrize("module, args, option", [

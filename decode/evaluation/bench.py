@@ -10,6 +10,10 @@ the target alone). On each split every method runs back to back on each prompt, 
 rotated per prompt, so drift of the machine falls on all methods alike; a row's speedup is the
 mean of per-prompt tok/s ratios against the target alone, with a 95% bootstrap interval. Each
 section is saved as it finishes, so an interrupted run resumes where it stopped.
+
+A grid marked `select: mark` (fixed K) runs every value on test, and the value replay chooses on the dev prompts is
+marked (the row's `dev_choice`): goals and the summary name it `fixed-K@dev`. The fastest K on test is chosen in
+hindsight, and under sampling that choice is mostly noise.
 """
 
 from __future__ import annotations
@@ -54,7 +58,12 @@ class Method:
     rule: dict | None = None
     hf: dict = field(default_factory=dict)
     family: str = ""  # for plots and goals: fixed-K, specdec++, fsd, sprinter, ...
-    select: str = ""  # "dev": the grid is a threshold sweep, chosen on the dev split
+    select: str = ""  # "dev": only the value chosen on dev runs on test; "mark": all run, the dev choice is marked
+
+    def __post_init__(self):
+        if self.select not in ("", "dev", "mark"):
+            raise ValueError(f"{self.name}: select: {self.select!r}; use dev (only the dev choice runs on test) or "
+                             "mark (every value runs, the dev choice is marked)")
 
     @property
     def head_dir(self) -> str | None:
@@ -214,15 +223,16 @@ def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]]
                      ) -> tuple[list[Method], list[str]]:
     """Each replayable `select: dev` grid keeps the value with the best replayed speedup on the dev prompts, priced by
     a cost model measured now (under sampling replay's estimate: decode.evaluation.replay); every other method is
-    kept (its grid, if any, still decodes dev)."""
+    kept (its grid, if any, still decodes dev). A `select: mark` grid keeps every value and its dev choice is
+    returned too -> (methods, the lines saying what was chosen, the names of the marked choices)."""
     from decode.evaluation.replay import Priced, record, speedup
 
     grids: dict[str, list[Method]] = {}
     for m in methods:
-        if m.select == "dev" and replayable(m, pair.config.sampling, estimate=True):
+        if m.select in ("dev", "mark") and replayable(m, pair.config.sampling, estimate=True):
             grids.setdefault(m.family, []).append(m)
     if not grids:
-        return methods, []
+        return methods, [], set()
     n = cfg["max_new_tokens"]
     trajs = [record(pair, p, n) for p in prompts]
     cost = Priced(CostModel.measure(pair, prompts, 24, cfg["cost_repeats"], growth=n))
@@ -236,7 +246,8 @@ def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]]
             + (" (**at the edge of the grid**)" if edge else ""))
         chosen[family] = group[best]
     print("\n".join(lines), flush=True)
-    return [m for m in methods if m.family not in chosen or m is chosen[m.family]], lines
+    marked = {m.name for m in chosen.values() if m.select == "mark"}
+    return [m for m in methods if m.select != "dev" or m.family not in chosen or m is chosen[m.family]], lines, marked
 
 
 def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
@@ -375,9 +386,10 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             if quick:
                 methods = [m for m in methods if m.kind == "target" or m.name in cfg.get("quick_methods", [])]
             stem = f"{ps['name']}_{setting.name}"
-            if "dev" in ps and not quick:  # greedy grids our engine runs: chosen by replay, nothing decoded
-                methods, lines = choose_by_replay(sec_pair, methods, encode_prompts(sec_pair, ps["dev"],
-                                                                                      cfg["max_new_tokens"]), cfg)
+            marked: set[str] = set()
+            if "dev" in ps and not quick:  # grids our engine runs losslessly: chosen by replay, nothing decoded
+                methods, lines, marked = choose_by_replay(sec_pair, methods, encode_prompts(
+                    sec_pair, ps["dev"], cfg["max_new_tokens"]), cfg)
                 if lines:
                     dev_md += [f"### {ps['name']}/dev {setting.name} (chosen by replay)", "\n".join(lines)]
             if "dev" in ps and not quick and any(m.select == "dev" and not replayable(m, setting) for m in methods):
@@ -390,6 +402,8 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             label = f"{ps['name']}/test {setting.name}"
             rows = run_split(sec_pair, label, encode_prompts(sec_pair, ps["test"], cfg["max_new_tokens"]), methods,
                              cfg, out_dir / "sections")
+            for r in rows:  # outside the split's cache key: a resumed split takes the choice this run made
+                r["dev_choice"] = r["method"] in marked
             lines = head_lines(methods) + goal_lines(rows, cfg.get("goals", []))
             print("\n".join(lines), flush=True)
             pareto_plot(rows, out_dir / f"pareto_{stem}.png", label)

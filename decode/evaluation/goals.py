@@ -4,7 +4,7 @@ Goals are listed in the bench YAML, e.g.
     - {kind: beats, name: "SpecDec++ beats the best fixed-K SD", a: specdec++, b: fixed-K}
     - {kind: each, name: "our SD at least as fast as HF assisted at each K", a: "SD K={v}", b: "HF K={v}", values: [1, 2]}
     - {kind: gap, name: "share of the fixed-K-to-oracle gap SpecDec++ closes", a: specdec++, b: fixed-K, oracle: oracle}
-`beats` compares the fastest row of family a with the fastest of family b. Rows that ran on the same prompts
+`beats` compares the fastest row of family a with the fastest of family b ("fixed-K@dev": the K chosen on dev). Rows that ran on the same prompts
 are compared paired: the 95% bootstrap interval of the geometric mean of the per-prompt ratio a/b
 (prompt-to-prompt differences, which both rows share, cancel, so a few percent can be told from noise).
 A goal is met when that interval lies above 1, not met when below, and otherwise the rows are not
@@ -18,8 +18,15 @@ import numpy as np
 from decode.evaluation.intervals import bootstrap_ci
 
 
+def member(row: dict, family: str) -> bool:
+    """Is the row in the family? "fixed-K@dev": the fixed-K row the bench chose on dev (bench.py's `select: mark`);
+    rows read back from bench.csv hold the flag as the text "True"."""
+    name, _, dev = family.partition("@")
+    return row.get("family") == name and (not dev or row.get("dev_choice") in (True, "True"))
+
+
 def _best(rows: list[dict], family: str) -> dict | None:
-    pool = [r for r in rows if r.get("family") == family and r.get("speedup_lo") is not None]
+    pool = [r for r in rows if member(r, family) and r.get("speedup_lo") is not None]
     return max(pool, key=lambda r: r["speedup"]) if pool else None
 
 
@@ -79,7 +86,7 @@ def goal_line(rows: list[dict], goal: dict) -> str | None:
         return f"- **{name}** — {overall} ({met} of {len(pairs)} faster beyond the interval): {detail}"
     if kind == "gap":
         a, b = _best(rows, goal["a"]), _best(rows, goal["b"])
-        o = next((r for r in rows if r.get("family") == goal["oracle"]), None)
+        o = next((r for r in rows if member(r, goal["oracle"])), None)
         if a is None or b is None or o is None or o.get("cost_model_tokens_per_s") is None:
             return None
         span = o["cost_model_tokens_per_s"] - b["cost_model_tokens_per_s"]

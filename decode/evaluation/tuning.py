@@ -192,20 +192,24 @@ def report(name: str, setting, trajs: dict, cost, heads: list[str], max_context:
               f"{r:.3f} [{lo:.3f}, {hi:.3f}] | {'-' if share is None else f'{100 * share:.0f}%'} | {per_call:.2f} |",
               flush=True)
     if sampled:
-        alpha_report(trajs["test"], heads, max_context)
+        alpha_report(trajs, heads, max_context)
 
 
-def alpha_report(trajs: list[Trajectory], heads: list[str], max_context: int) -> None:
-    """Print how much of alpha each head and the draft's confidence know, on sampled test trajectories."""
+def alpha_report(trajs: dict[str, list[Trajectory]], heads: list[str], max_context: int) -> None:
+    """Print how much of alpha each head and the draft's confidence know, on sampled dev and test trajectories."""
     from decode.evaluation.alpha import alpha_table
 
+    sizes = ", ".join(f"{len(t)} {split}" for split, t in trajs.items())
     print(f"\nHow much of alpha = min(1, p/q) each predictor knows, on the candidates of fixed-K rounds over the "
-          f"{len(trajs)} test prompts (decode.evaluation.alpha)\n")
-    print("| predictor | R^2 vs alpha | R^2 of a line | Brier vs alpha | AUROC vs the coin | mean | mean alpha |\n"
-          "|---|---|---|---|---|---|---|")
-    for pred, m in alpha_table(trajs, {Path(h).name: h for h in heads}, max_context).items():
-        print(f"| {pred} | {m['r2']:.3f} | {m['r2_linear']:.3f} | {m['brier']:.4f} | {m['auroc']:.4f} | "
-              f"{m['mean']:.3f} | {m['alpha']:.3f} |", flush=True)
+          f"prompts ({sizes}; decode.evaluation.alpha)\n")
+    print("| predictor | split | R^2 vs alpha | R^2 of a line | Brier vs alpha | AUROC vs the coin | mean | mean alpha |\n"
+          "|---|---|---|---|---|---|---|---|")
+    tables = {split: alpha_table(t, {Path(h).name: h for h in heads}, max_context) for split, t in trajs.items()}
+    for pred in tables["test"]:
+        for split, table in tables.items():
+            m = table[pred]
+            print(f"| {pred} | {split} | {m['r2']:.3f} | {m['r2_linear']:.3f} | {m['brier']:.4f} | {m['auroc']:.4f} | "
+                  f"{m['mean']:.3f} | {m['alpha']:.3f} |", flush=True)
 
 
 def check(cfg: dict, run: Path) -> None:
