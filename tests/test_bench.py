@@ -176,6 +176,20 @@ def test_write_readme_replaces_only_the_generated_block(tmp_path):
         write_readme("x", readme)
 
 
+def test_the_readme_line_links_the_run_folder_from_the_project_root(tmp_path, monkeypatch):
+    from decode.evaluation import bench
+
+    said = []
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "write_readme", said.append)
+    out = tmp_path / "docs" / "bench"
+    out.mkdir(parents=True)
+    rows = [{"prompts": "pycode/test greedy", "method": "target", "family": "target", "kind": "target",
+             "tokens_per_s": 100.0, "speedup": 1.0, "speedup_lo": 1.0, "speedup_hi": 1.0}]
+    bench.write_outputs(out, rows, ["x"], [], "--config c.yaml", readme=True)
+    assert "every row of every split in `docs/bench/bench.md`" in said[0] and "| pycode | greedy | 100 |" in said[0]
+
+
 def test_compare_two_runs(tmp_path, capsys):
     from decode.evaluation.compare import main
 
