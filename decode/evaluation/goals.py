@@ -4,9 +4,10 @@ Goals are listed in the bench YAML, e.g.
     - {kind: beats, name: "SpecDec++ beats the best fixed-K SD", a: specdec++, b: fixed-K}
     - {kind: each, name: "our SD at least as fast as HF assisted at each K", a: "SD K={v}", b: "HF K={v}", values: [1, 2]}
     - {kind: gap, name: "share of the fixed-K-to-oracle gap SpecDec++ closes", a: specdec++, b: fixed-K, oracle: oracle}
-`beats` compares the fastest row of family a with the fastest of family b ("fixed-K@dev": the K chosen on dev). Rows that ran on the same prompts
-are compared paired: the 95% bootstrap interval of the geometric mean of the per-prompt ratio a/b
-(prompt-to-prompt differences, which both rows share, cancel, so a few percent can be told from noise).
+`beats` compares the fastest row of family a with the fastest of family b ("fixed-K@dev": the K chosen on dev).
+Rows that ran on the same prompts are compared paired: the 95% bootstrap interval of the geometric mean of the
+per-prompt ratio a/b (prompt-to-prompt differences, which both rows share, cancel, so a few percent can be told
+from noise).
 A goal is met when that interval lies above 1, not met when below, and otherwise the rows are not
 separated. Rows without per-prompt ratios (an older bench) fall back to comparing their two intervals.
 """

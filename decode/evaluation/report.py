@@ -88,6 +88,11 @@ README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+def from_root(path: Path, root: Path) -> Path:
+    """A run folder as the README names it: relative to the project root when inside it, else as given."""
+    return path.relative_to(root) if path.is_relative_to(root) else path
+
+
 def write_readme(markdown: str, readme: Path = README) -> None:
     """Replace the README's generated block (between the bench markers) with `markdown`."""
     text = readme.read_text()
