@@ -67,7 +67,9 @@ class BatchDecoder:
         draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=ctl.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
         t0 = self.now()  # the draft reads the prompts with its first round (a request that never drafts never does)
-        target.feed([list(ids[:-1]) for ids in prompts])
+        # The target reads each whole prompt: its last logits are the first round's p_0, so that round verifies its
+        # candidates alone, and a first round that drafts nothing needs no target forward (as the target alone).
+        first = target.prefill([list(ids) for ids in prompts])[0][:, None]
         stats.t_target += self.now() - t0
         rows = list(range(n))  # the request index of each batch row still decoding
         committed = [list(ids[:-1]) for ids in prompts]
@@ -80,10 +82,8 @@ class BatchDecoder:
             limits = [max(1, min(max_new_tokens - len(out[r]), ctx - len(committed[r]) - 2)) for r in rows]
             k_max = min(ctl.begin(len(rows)), max(limits))
             tokens, q, read = self._draft(draft, rows, committed, pending, gens, limits, k_max, stats)
-            t0 = self.now()
-            logits, _ = target.feed([[pending[r]] + tokens[i] for i, r in enumerate(rows)], trim=False)
-            stats.t_target += self.now() - t0
-            stats.target_calls += 1
+            logits = self._verify_logits(target, rows, pending, tokens, first, stats)
+            first = None
             t0 = self.now()
             p = transform(logits, self.pair.config.sampling)
             verdicts = self.rule.verify_rows(tokens, q, p, [gens[r] for r in rows])
@@ -119,6 +119,19 @@ class BatchDecoder:
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(out, ends)]
+
+    def _verify_logits(self, target: RowCache, rows, pending, tokens, first, stats) -> torch.Tensor:
+        """(B, M + 1, V) the target's logits after each row's pending token and after each of its candidates: one
+        forward over [pending] + candidates, or, in the first round, the prefill's (B, 1, V) first and a forward over
+        the candidates alone (none if no row drafted)."""
+        if first is not None and not any(tokens):
+            return first
+        t0 = self.now()
+        chunks = [t if first is not None else [pending[r]] + t for r, t in zip(rows, tokens)]
+        logits, _ = target.feed(chunks, trim=False)
+        stats.t_target += self.now() - t0
+        stats.target_calls += 1
+        return logits if first is None else torch.cat([first, logits], 1)
 
     def _draft(self, draft: RowCache, rows, committed, pending, gens, limits, k_max, stats):
         """One drafting round for every row -> each row's candidates, (M, R, V) their q (None if none) and the tokens
@@ -192,18 +205,17 @@ class BatchAutoregressive:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:
-        """B prompts -> B generations, one forward of the batch per token."""
+        """B prompts -> B generations, one forward of the batch per token (the first token's is the prefill)."""
         for ids in prompts:
             check_prompt(self.pair, ids, max_new_tokens)
         n, stats, t_start, eos = len(prompts), Stats(), self.now(), set(self.pair.eos_ids)
         gens = row_generators(self.pair, self.seed, n)
         cache = RowCache(getattr(self.pair, self.which), self.pair, n, self.which, stats.calls)
-        cache.feed([list(ids[:-1]) for ids in prompts])
-        rows, nxt, out = list(range(n)), [ids[-1] for ids in prompts], [[] for _ in prompts]
+        logits, _ = cache.prefill([list(ids) for ids in prompts])  # the first token comes from the prefill
+        rows, nxt, out = list(range(n)), [0] * n, [[] for _ in prompts]
         ends = [0.0] * n
-        while rows:
-            logits, _ = cache.feed([[nxt[r]] for r in rows])
-            picked, _ = pick_rows(logits[:, 0], self.pair.config.sampling, [gens[r] for r in rows])
+        while True:
+            picked, _ = pick_rows(logits, self.pair.config.sampling, [gens[r] for r in rows])
             stay = []
             for i, (r, tok) in enumerate(zip(rows, picked)):
                 out[r].append(tok)
@@ -215,7 +227,10 @@ class BatchAutoregressive:
             if len(stay) < len(rows):
                 cache.select(torch.tensor(stay, dtype=torch.long))
                 rows = [rows[i] for i in stay]
+            if not rows:
+                break
+            logits = cache.feed([[nxt[r]] for r in rows])[0][:, 0]
         stats.new_tokens, stats.wall = sum(map(len, out)), self.now() - t_start
-        setattr(stats, f"{self.which}_calls", len(stats.calls) - 1)  # batch forwards after the prefill
+        setattr(stats, f"{self.which}_calls", len(stats.calls))  # batch forwards, the prefill's included
         self.stats, self.peak_bytes = stats, cache.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(out, ends)]

@@ -64,6 +64,26 @@ class RowCache:
             self.keep(before + sizes)
         return self.pair.logits(out.logits), state
 
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An empty cache reads B prompts (any lengths >= 1) -> (B, V) float32 logits and (B, H) hidden states (None
+        unless hidden) after each prompt's last token. The prompts are left-padded behind the mask, so every row ends
+        at the last column: the output layer runs on that column alone (logits_to_keep), and no realignment follows."""
+        if self.width:
+            raise ValueError(f"prefill() reads prompts into an empty cache; this {self.name} cache holds {self.width}")
+        sizes = torch.tensor([len(p) for p in prompts])
+        m = int(sizes.max())
+        self.pad = m - sizes
+        ids = torch.tensor([[p[0]] * (m - len(p)) + p for p in prompts], device=self.device)
+        pos = (torch.arange(m)[None, :] - self.pad[:, None]).clamp_min(0).to(self.device)
+        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=self.mask(m), position_ids=pos,
+                      logits_to_keep=1)
+        out, state = out if self.hidden else (out, None)
+        self.width = m
+        self.calls.append((self.name, m))
+        self.peak_bytes = max(self.peak_bytes, self.bytes())
+        return self.pair.logits(out.logits)[:, -1], None if state is None else state[:, -1]
+
     def _layers(self):
         return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
                 and layer.keys.numel() and getattr(layer, "buffers", None) is not None]

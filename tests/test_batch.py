@@ -149,6 +149,19 @@ def test_the_batch_controller_drafts_while_drafting_pays_and_stops_when_it_does_
     assert dear.stats.target_calls == 11  # its candidate accepted, the first round gave two tokens, then one a step
 
 
+def test_a_batch_that_never_drafts_does_the_target_alones_forwards(arch_pairs):
+    """The first token of every row comes from the prefill (as in HF generate()): the target alone spends one forward
+    per token of its longest row, and a speculative decoder at K = 0 spends exactly those forwards."""
+    pair = no_eos(arch_pairs("qwen2", "float32")[1])
+    prompts = ragged(pair, 8)
+    alone = BatchAutoregressive(pair)
+    want = alone.generate(prompts, 10)
+    assert len(alone.stats.calls) == alone.stats.target_calls == 10
+    plain = BatchDecoder(pair, BatchSizeK({1: 0}), GreedyMatch())
+    assert [g.tokens for g in plain.generate(prompts, 10)] == [w.tokens for w in want]
+    assert [c for c in plain.stats.calls if c[0] == "target"] == alone.stats.calls and plain.stats.draft_calls == 0
+
+
 def test_batch_size_table_and_cost_interpolation():
     table = BatchSizeK({1: 4, 8: 2, 64: 0})
     assert [table.begin(b) for b in (1, 7, 8, 63, 64, 256)] == [4, 4, 2, 2, 0, 0]
