@@ -186,10 +186,16 @@ class BatchDecoder:
     def _decide(self, deciding, tokens, q, raw, before, after, stats) -> list[int]:
         """The control sees each deciding row's last candidate -> the rows that draft on."""
         t0 = self.now()
-        rows = torch.tensor(deciding)
-        step = RowsStep(len(tokens[deciding[0]]) - 1, deciding, [tokens[i][-1] for i in deciding], q[rows], raw[rows],
-                        None if before is None else before[rows.to(before.device)],
-                        None if after is None else after[rows.to(after.device)])
+        if len(deciding) == len(tokens):  # every row decides (as always at batch 1): the tensors as they are
+            def pick(x):
+                return x
+        else:
+            rows = torch.tensor(deciding)
+
+            def pick(x):
+                return None if x is None else x[rows.to(x.device)]
+        step = RowsStep(len(tokens[deciding[0]]) - 1, deciding, [tokens[i][-1] for i in deciding], pick(q), pick(raw),
+                        pick(before), pick(after))
         go = self.control.decide(step)
         stats.t_head += self.now() - t0
         return [i for i, g in zip(deciding, go) if g]

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode import labels as L
 from decode.batch_costs import BatchCosts
-from decode.policies import DraftStep, HeadPolicy, Policy, check_max_len
+from decode.policies import DraftStep, HeadPolicy, Policy, check_max_len, draft_scalars
 
 
 @dataclass
@@ -41,40 +40,31 @@ class RowsStep:
     hidden_own: torch.Tensor | None  # (R, H)
 
     @functools.cached_property
-    def probs(self) -> torch.Tensor:
-        """(R, V) softmax of the raw logits."""
-        return self.logits.float().softmax(-1)
-
-    @functools.cached_property
-    def confidence(self) -> torch.Tensor:
-        """(R,) the draft's raw probability of each row's candidate."""
-        return self.probs[torch.arange(len(self.rows)), torch.tensor(self.tokens, device=self.probs.device)]
-
-    @functools.cached_property
-    def entropy(self) -> torch.Tensor:
-        return L.entropy(self.probs)
-
-    @functools.cached_property
-    def top1(self) -> torch.Tensor:
-        return self.probs.max(-1).values
-
-    @functools.cached_property
-    def _scalars(self) -> list[tuple[float, float, float]]:
-        return list(zip(self.confidence.tolist(), self.entropy.tolist(), self.top1.tolist()))
+    def scalars(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(R,) confidence, entropy and top-1 probability of each row's raw softmax (decode.policies.draft_scalars)."""
+        return draft_scalars(self.logits, self.tokens)
 
     def row(self, j: int) -> DraftStep:
-        """Row j's DraftStep (its scalars read from the batch's one softmax, not one per row)."""
-        step = DraftStep(self.index, self.tokens[j], self.q[j], self.logits[j],
-                         None if self.hidden_prev is None else self.hidden_prev[j],
-                         None if self.hidden_own is None else self.hidden_own[j])
-        c, e, t = self._scalars[j]
-        step.__dict__.update(confidence=c, entropy=e, top1=t)
+        """Row j's DraftStep; its scalars, if a policy reads them, from the batch's one pass over every row."""
+        step = _RowStep(self.index, self.tokens[j], self.q[j], self.logits[j],
+                        None if self.hidden_prev is None else self.hidden_prev[j],
+                        None if self.hidden_own is None else self.hidden_own[j])
+        step.batch, step.j = self, j
         return step
 
     def head_probs(self, head: HeadPolicy, runs: list[int]) -> np.ndarray:
         """(R,) the head's probabilities, one forward over the rows; runs: each row's accepted run before the round."""
         hidden = self.hidden_own if head.features.position == "own" else self.hidden_prev
-        return head.probs(hidden, self.entropy, self.top1, self.confidence, torch.tensor(runs) + self.index)
+        confidence, entropy, top1 = self.scalars if head.features.extras else (None,) * 3
+        return head.probs(hidden, entropy, top1, confidence, np.asarray(runs) + self.index)
+
+
+class _RowStep(DraftStep):
+    """A DraftStep of one row of a RowsStep (batch, j): its scalars are read from the batch's, on first use."""
+
+    @functools.cached_property
+    def _scalars(self) -> tuple[float, float, float]:
+        return tuple(float(x[self.j]) for x in self.batch.scalars)
 
 
 class BatchControl:
@@ -168,8 +158,9 @@ class BatchCostAware(HeadPolicy, BatchControl):
     candidates per row), beat a plain target step. Realized yield, not the head's probabilities: these are of single
     candidates, agreement comes in runs, and rounds end where the head expects a rejection. Before any round the
     acceptance rate of the head's dev labels stands in, as geometric rounds of the best K. Both sides of that test are
-    priced by the tables times what the request's rounds of that kind measured against them (factor): the tables time
-    forwards and realignment, not the rows' bookkeeping, filler or rows leaving the batch.
+    priced by the tables times what the rounds of that kind measured against them (factor): the tables time forwards
+    and realignment, not the rows' bookkeeping, filler or rows leaving the batch. The yield and the factors carry over
+    from one request to the next (forget() drops them), as a server calibrates once.
     """
 
     needs_batch_costs = True
@@ -180,14 +171,22 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.costs: BatchCosts | None = None
         # The prior of the acceptance rate: the head's dev labels' rate (export writes it); see PRIOR_ROUNDS.
         self.prior = (self.config.get("metrics") or {}).get("positive_rate")
+        self.forget()
 
     def set_batch_costs(self, costs: BatchCosts) -> None:
-        self.costs = costs
+        self.costs, self._priced = costs, {}
+
+    def forget(self) -> None:
+        """Drop what earlier requests taught: the realized yield of drafted rounds and the measured-over-predicted
+        factors. A controller that serves one request after another keeps them (start() does not reset them), as
+        a server calibrates once: otherwise every request pays again for learning that drafting does not pay."""
+        self.row_rounds = self.gained = self.drafted = 0.0
+        self.measured: dict[tuple[int, bool], float] = {}  # by (the table's nearest batch size, drafted)
+        self.predicted: dict[tuple[int, bool], float] = {}
 
     def start(self, n):
         self.run_rows = np.zeros(n, dtype=np.int64)
-        self.tokens = self.spent = self.row_rounds = self.gained = self.drafted = 0.0
-        self.measured, self.predicted = {True: 0.0, False: 0.0}, {True: 0.0, False: 0.0}
+        self.tokens = self.spent = 0.0  # the long-run rate of this request's rounds (decide's r)
         self.first = True  # the first drafted round also reads the prompts into the draft: not a typical round
 
     def round_costs(self, b: int) -> list[float]:
@@ -196,18 +195,31 @@ class BatchCostAware(HeadPolicy, BatchControl):
         own = d if self.reads_own_state else 0.0
         return [verify[0]] + [k * d + verify[k] + move + own for k in range(1, self.max_len + 1)]
 
+    def priced(self, b: int) -> tuple[list[float], np.ndarray, tuple[float, float] | None, int]:
+        """At batch size b, once per size (a round's work at batch 1 is a few hundred microseconds): C_0 .. C_max_len
+        as a list and an array, the prior's (K, tokens per row-round) for the K that pays best at its rate, and the
+        measured size nearest b (whose factor() prices it)."""
+        if b not in self._priced:
+            c, prior = self.round_costs(b), None
+            if self.prior is not None:
+                yields = [sum(self.prior ** j for j in range(k + 1)) for k in range(1, self.max_len + 1)]
+                k0 = 1 + int(np.argmax([y / c[k] for k, y in enumerate(yields, 1)]))
+                prior = (k0, yields[k0 - 1])
+            nearest = min(self.costs.sizes, key=lambda s: abs(np.log(s / b)))
+            self._priced[b] = (c, np.array(c), prior, nearest)
+        return self._priced[b]
+
     def begin(self, b):
         if self.costs is None:
             raise ValueError("BatchCostAware has no cost tables: decode with decode.batch.BatchDecoder, which "
                              "measures them, or call set_batch_costs")
-        self.b, self.k, self.c = b, 0, self.round_costs(b)  # the round's costs, interpolated once
-        c = self.c
+        self.b, self.k = b, 0
+        c, self.c_array, prior, self.bucket = self.priced(b)
+        self.c = c
         self.survive, self.expected = np.ones(b), float(b)
         n, gain, cands = self.row_rounds, self.gained, self.drafted
-        if self.prior is not None:  # the prior as PRIOR_ROUNDS row-rounds of the best fixed K at its rate
-            rates = [sum(self.prior ** j for j in range(k + 1)) / c[k] for k in range(1, self.max_len + 1)]
-            k0 = 1 + int(np.argmax(rates))
-            n, gain, cands = n + PRIOR_ROUNDS, gain + PRIOR_ROUNDS * rates[k0 - 1] * c[k0], cands + PRIOR_ROUNDS * k0
+        if prior is not None:  # the prior as PRIOR_ROUNDS row-rounds of the best fixed K at its rate
+            n, gain, cands = n + PRIOR_ROUNDS, gain + PRIOR_ROUNDS * prior[1], cands + PRIOR_ROUNDS * prior[0]
         if not n:  # nothing known of the acceptance: draft, to learn it
             return self.max_len
         mean_k = cands / n
@@ -216,18 +228,20 @@ class BatchCostAware(HeadPolicy, BatchControl):
         return self.max_len if b * gain / n / (cost * self.factor(True)) > b / (c[0] * self.factor(False)) else 0
 
     def factor(self, drafted: bool) -> float:
-        """Measured over predicted time of the request's rounds of this kind (drafted or plain), starting at 1 with the
-        weight of PRIOR_ROUNDS rounds: what the tables do not price (the rows' Python work, filler, rows leaving)."""
-        c = PRIOR_ROUNDS * self.c[1]
-        return (self.measured[drafted] + c) / (self.predicted[drafted] + c)
+        """Measured over predicted time of the rounds of this kind so far (drafted or plain) at batch sizes nearest
+        the same measured one, starting at 1 with the weight of PRIOR_ROUNDS rounds: what the tables do not price (the
+        rows' Python work, filler, rows leaving), which grows with the rows, so one size's factor is not another's."""
+        c, key = PRIOR_ROUNDS * self.c[1], (self.bucket, drafted)
+        return (self.measured.get(key, 0.0) + c) / (self.predicted.get(key, 0.0) + c)
 
     def timed(self, ms):
         drafted = self.k > 0
         if drafted and self.first:
             self.first = False
             return
-        self.measured[drafted] += ms
-        self.predicted[drafted] += self.c[self.k]
+        key = (self.bucket, drafted)
+        self.measured[key] = self.measured.get(key, 0.0) + ms
+        self.predicted[key] = self.predicted.get(key, 0.0) + self.c[self.k]
 
     def decide(self, step):
         a = step.head_probs(self, self.run_rows[step.rows].tolist())
@@ -235,13 +249,11 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.survive[step.rows] *= a
         self.expected += float(self.survive[step.rows].sum())
         rate = self.tokens / self.spent if self.spent else self.expected / self.c[k]
-        survive, gain = self.survive[step.rows].copy(), 0.0
-        for j in range(k + 1, self.max_len + 1):
-            survive *= a
-            gain += float(survive.sum())
-            if gain > rate * (self.c[j] - self.c[k]):
-                return [True] * len(step.rows)
-        return [False] * len(step.rows)
+        # gain[j] over the rows: the expected tokens of j more candidates, S_k * (a + a^2 + ... + a^j)
+        more = np.power.outer(a, np.arange(1, self.max_len - k + 1))
+        gain = np.cumsum(self.survive[step.rows] @ more)
+        go = bool((gain > rate * (self.c_array[k + 1:] - self.c[k])).any())
+        return [go] * len(step.rows)
 
     def verified(self, accepted, drafted):
         self.tokens += self.expected

@@ -27,6 +27,38 @@ from decode import labels as L
 from decode.pair import Sampling
 from heads import FeatureSpec, check_draft, from_pretrained
 
+_SCRATCH: dict[tuple, np.ndarray] = {}  # draft_scalars' work arrays by shape: fresh (R, V) arrays each step cost more
+# than the arithmetic (at batch 64, 5x: new pages faulted in); the decoder calls it from one thread
+
+
+def _scratch(name: str, like: np.ndarray) -> np.ndarray:
+    key = (name, like.shape)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = np.empty_like(like)
+    return _SCRATCH[key]
+
+
+def draft_scalars(logits: torch.Tensor, tokens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(R, V) raw logits and R candidates -> (R,) confidence (the candidate's probability), entropy in nats and top-1
+    probability of the softmax, as numpy arrays. On the CPU in numpy, a few array ops for all rows (at small batches a
+    decoder pays per tensor op); on a GPU in torch, then one read."""
+    if logits.device.type != "cpu":
+        p = logits.float().softmax(-1)
+        rows = torch.arange(len(tokens), device=p.device)
+        out = torch.stack([p[rows, torch.tensor(tokens, device=p.device)], L.entropy(p), p.max(-1).values])
+        return tuple(out.cpu().numpy())
+    x = logits.detach().float().numpy()
+    shifted, e = _scratch("shifted", x), _scratch("exp", x)
+    np.subtract(x, x.max(-1)[:, None], out=shifted)
+    np.exp(shifted, out=e)
+    total = e.sum(-1)
+    with np.errstate(invalid="ignore"):
+        dot = np.vecdot(e, shifted)
+    bad = np.isnan(dot)
+    if bad.any():  # -inf logits (a processor masked tokens): 0 * -inf; those tokens add nothing
+        dot[bad] = np.vecdot(e[bad], np.where(e[bad] > 0, shifted[bad], 0.0))
+    return e[np.arange(len(tokens)), tokens] / total, np.log(total) - dot / total, 1.0 / total
+
 
 @dataclass
 class DraftStep:
@@ -47,8 +79,8 @@ class DraftStep:
     # trajectory (decode.evaluation.replay) can hand a policy the same step without the (V,) logits.
     @functools.cached_property
     def _scalars(self) -> tuple[float, float, float]:
-        """(confidence, entropy, top1) of the raw softmax in one pass: in numpy on the CPU (at batch 1 a decoder
-        pays per tensor op, and these are five array ops), from `probs` elsewhere."""
+        """(confidence, entropy, top1) of the raw softmax in one pass: draft_scalars of one row, in Python floats on
+        the CPU (at batch 1 its array bookkeeping would double the cost), from `probs` elsewhere."""
         if self.logits.device.type != "cpu":
             p = self.probs
             return float(p[self.token]), float(L.entropy(p)), float(p.max())
@@ -198,22 +230,14 @@ class HeadPolicy(Policy):
         return self.fast_prob(self.features.row(hidden, step.entropy, step.top1, step.confidence,
                                                 self.run + step.index))
 
-    def probs(self, hidden: torch.Tensor, entropy: torch.Tensor, top1: torch.Tensor, confidence: torch.Tensor,
-              runs: torch.Tensor) -> np.ndarray:
-        """prob() over R rows in one head forward (decode.batch): (R, H) states, (R,) scalars and accepted runs
-        before each row's candidate -> (R,) probabilities."""
-        return np.atleast_1d(self.fast_prob(self.inputs(hidden, entropy.cpu(), top1.cpu(), confidence.cpu(), runs)))
-
-    @torch.no_grad()
-    def inputs(self, hidden: torch.Tensor, entropy: torch.Tensor | None = None, top1: torch.Tensor | None = None,
-               confidence: torch.Tensor | None = None, run: torch.Tensor | None = None) -> np.ndarray:
-        """(..., H) state and (...) scalars -> (..., F) the head's input as a numpy array. The head runs in numpy on
-        the CPU (its cost at batch 1 is dispatch): its inputs are taken there explicitly. The accepted run before
-        candidate i assumes candidates 0..i-1 accepted, as the rule does."""
-        hidden = hidden.float().cpu()
+    def probs(self, hidden: torch.Tensor, entropy: np.ndarray, top1: np.ndarray, confidence: np.ndarray,
+              runs: np.ndarray) -> np.ndarray:
+        """prob() over R rows in one head forward, in numpy (decode.batch): (R, H) states, (R,) scalars and accepted
+        runs before each row's candidate -> (R,) probabilities."""
+        x = hidden.detach().float().cpu().numpy()
         if self.features.extras:
-            hidden = self.features.build(hidden, entropy, top1, confidence, accepted_run=run)
-        return hidden.numpy()
+            x = self.features.rows(x, entropy, top1, confidence, runs)
+        return np.atleast_1d(self.fast_prob(x))
 
     def stop(self, step):
         return self.given(self.prob(step))

@@ -66,5 +66,16 @@ class FeatureSpec:
         extras = np.array([scalars[e] for e in self.extras], dtype=np.float32)
         return np.concatenate([np.asarray(hidden, dtype=np.float32), extras])
 
+    def rows(self, hidden: np.ndarray, draft_entropy: np.ndarray, draft_top1: np.ndarray, q_cand: np.ndarray,
+             accepted_run: np.ndarray) -> np.ndarray:
+        """row() over R rows in numpy, (R, H) and (R,) arrays -> (R, H + len(extras)) float32 (decode.batch: a few
+        array ops per draft step for the whole batch, where torch pays per op at small batches)."""
+        scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
+                   "cand_logq": np.log(np.maximum(q_cand, 1e-20)),
+                   "accepted_run": np.log1p(np.minimum(np.maximum(accepted_run, 0), RUN_CAP))}  # not np.clip: 10x slower on a few rows
+        cols = [np.asarray(hidden, dtype=np.float32)] + [np.asarray(scalars[e], dtype=np.float32)[:, None]
+                                                          for e in self.extras]
+        return np.concatenate(cols, axis=1)
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -147,6 +147,11 @@ def test_the_batch_controller_drafts_while_drafting_pays_and_stops_when_it_does_
     dear.generate(prompts, 12)
     assert dear.stats.draft_calls == 1 and dear.stats.drafted == 8  # one candidate per row, then no more drafting
     assert dear.stats.target_calls == 11  # its candidate accepted, the first round gave two tokens, then one a step
+    dear.generate(prompts, 12)  # the next request: what the first taught stands, so it never drafts
+    assert dear.stats.draft_calls == 0 and dear.stats.target_calls == 11
+    dear.control.forget()
+    dear.generate(prompts, 12)
+    assert dear.stats.draft_calls == 1
 
 
 def test_a_batch_that_never_drafts_does_the_target_alones_forwards(arch_pairs):
