@@ -85,8 +85,7 @@ class BatchDecoder:
             logits = self._verify_logits(target, rows, pending, tokens, first, stats)
             first = None
             t0 = self.now()
-            p = transform(logits, self.pair.config.sampling)
-            verdicts = self.rule.verify_rows(tokens, q, p, [gens[r] for r in rows])
+            verdicts = self._verdicts(tokens, q, logits, [gens[r] for r in rows])
             done, keep_t, keep_d = [], [], []
             for i, (r, (n_acc, nxt)) in enumerate(zip(rows, verdicts)):
                 k = len(tokens[i])
@@ -103,8 +102,9 @@ class BatchDecoder:
                     out[r] = out[r][:max_new_tokens]
                     done.append(i)
             ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
-            target.keep(torch.tensor(keep_t))
-            draft.keep(torch.tensor(keep_d))
+            if q is not None:  # a plain step fed one token a row and the draft nothing: no row has anything to cut
+                target.keep(torch.tensor(keep_t))
+                draft.keep(torch.tensor(keep_d))
             stats.t_rule += self.now() - t0
             if done:
                 for i in done:
@@ -119,6 +119,13 @@ class BatchDecoder:
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(out, ends)]
+
+    def _verdicts(self, tokens, q, logits, row_gens) -> list[tuple[int, int]]:
+        """Each row's (accepted, next token): the rule's verification, or in a plain target step (no candidates) the
+        target's own pick, as the target alone draws it (the rule's bonus token has the same law, at more cost)."""
+        if q is None:
+            return [(0, t) for t in pick_rows(logits[:, 0], self.pair.config.sampling, row_gens)[0]]
+        return self.rule.verify_rows(tokens, q, transform(logits, self.pair.config.sampling), row_gens)
 
     def _verify_logits(self, target: RowCache, rows, pending, tokens, first, stats) -> torch.Tensor:
         """(B, M + 1, V) the target's logits after each row's pending token and after each of its candidates: one
