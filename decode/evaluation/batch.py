@@ -208,8 +208,24 @@ def markdown(rows: list[dict]) -> str:
                                                    f"{t['row_latency_s']:.2f} s, peak KV {t['peak_kv_mib']:.0f} MiB"
                                                    for t in target)]
         notes = sorted({f"{r['method']} at B = {r['batch_size']}: {r['note']}" for r in sub if r["note"]})
-        lines += [""] + [f"- {n}" for n in notes] + ["", paired(sub, sizes), ""]
+        lines += [""] + [f"- {n}" for n in notes] + ["", paired(sub, sizes), "", noise_floor(sub, sizes), ""]
     return "\n".join(lines)
+
+
+def noise_floor(sub: list[dict], sizes: list[int]) -> str:
+    """Where the dev table's K is 0 it does the target alone's work: its per-batch ratios over the target alone are
+    what this run's machine noise does to one batch (an A/A check on the same batches)."""
+    cell = {(r["method"], r["batch_size"]): r for r in sub}
+    spans = []
+    for b in sizes:
+        table, base = cell.get(("batch-size table (dev)", b)), cell.get(("target", b))
+        if table and base and table["note"].startswith("K = 0"):
+            ratios = np.array(table["per_batch"]) / np.array(base["per_batch"])
+            spans.append(f"B = {b} {ratios.min():.2f}-{ratios.max():.2f}")
+    if not spans:
+        return "Noise floor: the dev table speculates at every size, so this run has no A/A check."
+    return ("Noise floor (the dev table at K = 0 does the target alone's work; its per-batch ratio to the target alone): "
+            + ", ".join(spans) + ".")
 
 
 def paired(sub: list[dict], sizes: list[int]) -> str:
