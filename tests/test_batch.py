@@ -38,7 +38,7 @@ def ragged(pair, b: int) -> list[list[int]]:
 def top2_margin(pair, prompt, tokens, at: int) -> float:
     """The target's top-2 logit gap where a row first differs: a near-tie that padding's rounding may flip."""
     with torch.no_grad():
-        logits = pair.target(torch.tensor([prompt + tokens[:at]])).logits[0, -1].float()
+        logits = pair.target(torch.tensor([prompt + tokens[:at]], device=pair.input_device("target"))).logits[0, -1].float()
     top = logits.topk(2).values
     return float(top[0] - top[1])
 
@@ -69,6 +69,21 @@ def test_batched_greedy_rows_equal_the_target_alone_on_the_same_batch(arch_pairs
         assert_rows_equal(pair, prompts, got, want, (family, dtype, b, type(policy).__name__))
         if policy.__class__ is BatchCostAware and policy.costs is DEAR:  # drafts once, to learn, then plain steps
             assert 0 < dec.stats.drafted <= policy.max_len * b and dec.stats.target_calls == 12
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here: the cuda-marked tests run where one is present")
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("mistral", "bfloat16"), ("gpt2", "float32")])
+def test_batched_greedy_rows_on_the_gpu(arch_pairs, family, dtype, tmp_path):
+    """On the GPU (caches, masks, the draft's scalars in torch, the head's inputs read back per step): rows equal the
+    target alone decoding the same batch, under fixed K, draft confidence and the batch controller."""
+    pair = no_eos(arch_pairs(family, dtype, "cuda")[1])
+    head = export_head(tmp_path, pair, position="prev", extras=EXTRAS, depth=2)
+    for b, policy, rule in ((1, FixedK(3), GreedyMatch()), (8, DraftConfidence(0.3), SpeculativeSampling()),
+                            (8, controller(head, CHEAP), GreedyMatch()), (32, FixedK(2), SpeculativeSampling())):
+        prompts = ragged(pair, b)
+        want = BatchAutoregressive(pair).generate(prompts, 12)
+        assert_rows_equal(pair, prompts, BatchDecoder(pair, policy, rule).generate(prompts, 12), want, (family, dtype, b))
 
 
 def test_batch_of_32_with_eos_and_a_budget_per_row(arch_pairs):
