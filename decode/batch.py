@@ -102,9 +102,8 @@ class BatchDecoder:
                     out[r] = out[r][:max_new_tokens]
                     done.append(i)
             ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
-            if q is not None:  # a plain step fed one token a row and the draft nothing: no row has anything to cut
-                target.keep(torch.tensor(keep_t))
-                draft.keep(torch.tensor(keep_d))
+            target.keep(torch.tensor(keep_t))
+            draft.keep(torch.tensor(keep_d))
             stats.t_rule += self.now() - t0
             if done:
                 for i in done:

@@ -80,10 +80,9 @@ class DraftStep:
     @functools.cached_property
     def _scalars(self) -> tuple[float, float, float]:
         """(confidence, entropy, top1) of the raw softmax in one pass: draft_scalars of one row, in Python floats on
-        the CPU (at batch 1 its array bookkeeping would double the cost), from `probs` elsewhere."""
+        the CPU (at batch 1 its array bookkeeping would double the cost), draft_scalars itself elsewhere."""
         if self.logits.device.type != "cpu":
-            p = self.probs
-            return float(p[self.token]), float(L.entropy(p)), float(p.max())
+            return tuple(float(x[0]) for x in draft_scalars(self.logits[None], [self.token]))
         x = self.logits.detach().float().numpy()
         shifted = x - x.max()
         e = np.exp(shifted)

@@ -54,14 +54,21 @@ class RowCache:
         m = int(sizes.max())
         ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
         before = self.length
-        pos = (before[:, None] + torch.arange(m)[None, :]).to(self.device)
-        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=self.mask(m), position_ids=pos)
+        logits, state = self._forward(ids, before[:, None] + torch.arange(m)[None, :])
+        if trim and bool((sizes < m).any()):
+            self.keep(before + sizes)
+        return logits, state
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, m) ids at (B, m) positions, appended after the cache's columns -> the float32 logits and the hidden
+        states (None unless hidden) of the positions the output layer ran on; the width, calls and peak follow."""
+        m = ids.shape[1]
+        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=self.mask(m),
+                      position_ids=pos.to(self.device), **kwargs)
         out, state = out if self.hidden else (out, None)
         self.width += m
         self.calls.append((self.name, m))
         self.peak_bytes = max(self.peak_bytes, self.bytes())
-        if trim and bool((sizes < m).any()):
-            self.keep(before + sizes)
         return self.pair.logits(out.logits), state
 
     @torch.no_grad()
@@ -75,14 +82,8 @@ class RowCache:
         m = int(sizes.max())
         self.pad = m - sizes
         ids = torch.tensor([[p[0]] * (m - len(p)) + p for p in prompts], device=self.device)
-        pos = (torch.arange(m)[None, :] - self.pad[:, None]).clamp_min(0).to(self.device)
-        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=self.mask(m), position_ids=pos,
-                      logits_to_keep=1)
-        out, state = out if self.hidden else (out, None)
-        self.width = m
-        self.calls.append((self.name, m))
-        self.peak_bytes = max(self.peak_bytes, self.bytes())
-        return self.pair.logits(out.logits)[:, -1], None if state is None else state[:, -1]
+        logits, state = self._forward(ids, (torch.arange(m)[None, :] - self.pad[:, None]).clamp_min(0), logits_to_keep=1)
+        return logits[:, -1], None if state is None else state[:, -1]
 
     def _layers(self):
         return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None
@@ -99,6 +100,8 @@ class RowCache:
         drop = self.length - lengths
         if bool((drop < 0).any()):
             raise ValueError(f"a row cannot keep more tokens than its cache holds: {lengths.tolist()}")
+        if not bool(drop.any()):  # nothing to cut (a plain step fed one token a row): some column is real in every row
+            return
         shift, width = drop - drop.min(), self.width - int(drop.min())
         left = int((width - lengths).min())  # columns that are padding in every row
         if left or bool(shift.any()):
