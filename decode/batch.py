@@ -25,6 +25,7 @@ from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache
 from decode.rules import Rule
 from decode.sampling import pick_rows, transform
+from heads import kernels
 
 
 def row_generators(pair: Pair, seed: int, n: int) -> list[torch.Generator]:
@@ -46,6 +47,7 @@ class BatchDecoder:
         self.control = control_of(policy)
         self.pair, self.policy, self.rule, self.seed, self.cost_sizes = pair, policy, rule, seed, cost_sizes
         self.now = clock(pair.device)
+        kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1

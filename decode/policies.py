@@ -25,7 +25,8 @@ import torch
 
 from decode import labels as L
 from decode.pair import Sampling
-from heads import FeatureSpec, check_draft, from_pretrained
+from decode.sampling import as_numpy
+from heads import EXTRAS, FeatureSpec, check_draft, from_pretrained, kernels
 
 _SCRATCH: dict[tuple, np.ndarray] = {}  # draft_scalars' work arrays by shape: fresh (R, V) arrays each step cost more
 # than the arithmetic (at batch 64, 5x: new pages faulted in); the decoder calls it from one thread
@@ -48,6 +49,8 @@ def draft_scalars(logits: torch.Tensor, tokens: list[int]) -> tuple[np.ndarray, 
         out = torch.stack([p[rows, torch.tensor(tokens, device=p.device)], L.entropy(p), p.max(-1).values])
         return tuple(out.cpu().numpy())
     x = logits.detach().float().numpy()
+    if kernels.HAVE_NUMBA:  # as fast as the numpy path at batch 64, and the one path of every batch size
+        return tuple(kernels.softmax_scalars_rows(x, np.asarray(tokens, dtype=np.int64)))
     shifted, e = _scratch("shifted", x), _scratch("exp", x)
     np.subtract(x, x.max(-1)[:, None], out=shifted)
     np.exp(shifted, out=e)
@@ -64,7 +67,8 @@ def draft_scalars(logits: torch.Tensor, tokens: list[int]) -> tuple[np.ndarray, 
 class DraftStep:
     index: int  # 0-based position of the candidate in this round
     token: int
-    q: torch.Tensor  # (V,) the draft's distribution the token was drawn from (after the sampling transform)
+    q: torch.Tensor | None  # (V,) the draft's distribution the token was drawn from (after the sampling transform);
+    # None under greedy decoding on the CPU, where it is the token's one-hot (the engine builds a round's at once)
     logits: torch.Tensor  # (V,) the draft's raw logits behind q
     hidden_prev: torch.Tensor | None  # (H,) state that produced q (None unless the policy needs_hidden)
     hidden_own: torch.Tensor | None  # (H,) state after reading the token (None unless reads_own_state)
@@ -79,18 +83,11 @@ class DraftStep:
     # trajectory (decode.evaluation.replay) can hand a policy the same step without the (V,) logits.
     @functools.cached_property
     def _scalars(self) -> tuple[float, float, float]:
-        """(confidence, entropy, top1) of the raw softmax in one pass: draft_scalars of one row, in Python floats on
-        the CPU (at batch 1 its array bookkeeping would double the cost), draft_scalars itself elsewhere."""
-        if self.logits.device.type != "cpu":
-            return tuple(float(x[0]) for x in draft_scalars(self.logits[None], [self.token]))
-        x = self.logits.detach().float().numpy()
-        shifted = x - x.max()
-        e = np.exp(shifted)
-        with np.errstate(invalid="ignore"):
-            total, dot = float(e.sum()), float(e @ shifted)
-        if math.isnan(dot):  # -inf logits (a processor masked tokens): 0 * -inf; those tokens add nothing
-            dot = float(e @ np.where(e > 0, shifted, 0.0))
-        return float(e[self.token]) / total, math.log(total) - dot / total, 1.0 / total
+        """(confidence, entropy, top1) of the raw softmax in one pass: one compiled call on the CPU
+        (heads.kernels.softmax_scalars), draft_scalars of one row elsewhere or without numba."""
+        if self.logits.device.type == "cpu" and kernels.HAVE_NUMBA:
+            return kernels.softmax_scalars(self.logits.detach().float().numpy(), self.token)
+        return tuple(float(x[0]) for x in draft_scalars(self.logits[None], [self.token]))
 
     @functools.cached_property
     def confidence(self) -> float:
@@ -194,6 +191,13 @@ class HeadPolicy(Policy):
         self.fast_prob = self.head.inference_fn(cal["a"], cal["b"])
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
         self.run = 0  # accepted positions right before this round's first candidate (the extra accepted_run)
+        self._extras = np.empty(len(self.features.extras), dtype=np.float32)  # prob()'s, rewritten per candidate
+        self._codes = np.array([EXTRAS.index(e) for e in self.features.extras], dtype=np.int64)
+        self._reads = bool(set(self.features.extras) & {"draft_entropy", "draft_top1", "cand_logq"})  # the softmax
+        params = getattr(self.fast_prob, "params", None)
+        if params is not None and self.features.extras:  # compiled (or loaded from numba's cache) before decoding
+            hidden = np.zeros(len(params[0]) - len(self._codes), dtype=np.float32)
+            kernels.head_step(np.zeros(8, dtype=np.float32) if self._reads else None, 0, hidden, 0, self._codes, params)
 
     def start(self) -> None:
         self.run = 0
@@ -222,21 +226,30 @@ class HeadPolicy(Policy):
 
     @torch.no_grad()
     def prob(self, step: DraftStep) -> float:
-        hidden = step.hidden_own if self.features.position == "own" else step.hidden_prev
-        hidden = hidden.detach().float().cpu().numpy()
+        hidden = as_numpy(step.hidden_own if self.features.position == "own" else step.hidden_prev)
         if not self.features.extras:  # no scalars to build (batch 1 pays per op made)
             return self.fast_prob(hidden)
-        return self.fast_prob(self.features.row(hidden, step.entropy, step.top1, step.confidence,
-                                                self.run + step.index))
+        run = self.run + step.index
+        params = getattr(self.fast_prob, "params", None)  # the compiled one-row path (heads.kernels)
+        reads = self._reads
+        fresh = step.logits is not None and step.logits.device.type == "cpu" and "_scalars" not in vars(step)
+        if params is not None and (fresh or not reads):  # scalars, extras and head in one call
+            logits = as_numpy(step.logits) if reads else None
+            p, *scalars = kernels.head_step(logits, step.token, hidden, run, self._codes, params)
+            if reads:
+                vars(step)["_scalars"] = tuple(scalars)  # a rule or a caller reading them does not pay again
+            return p
+        extras = self.features.extras_into(self._extras, step.entropy, step.top1, step.confidence, run)
+        return self.fast_prob(hidden, extras)
 
     def probs(self, hidden: torch.Tensor, entropy: np.ndarray, top1: np.ndarray, confidence: np.ndarray,
               runs: np.ndarray) -> np.ndarray:
         """prob() over R rows in one head forward, in numpy (decode.batch): (R, H) states, (R,) scalars and accepted
         runs before each row's candidate -> (R,) probabilities."""
-        x = hidden.detach().float().cpu().numpy()
+        x = as_numpy(hidden)
         if self.features.extras:
             x = self.features.rows(x, entropy, top1, confidence, runs)
-        return np.atleast_1d(self.fast_prob(x))
+        return np.atleast_1d(self.fast_prob(x[0] if len(x) == 1 else x))  # one row: the compiled path
 
     def stop(self, step):
         return self.given(self.prob(step))

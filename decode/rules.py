@@ -19,6 +19,9 @@ class Rule:
     """Base rule; `lossless` rules reproduce the target's distribution exactly."""
 
     lossless = False
+    # Under a greedy target (one-hot p) this rule is greedy matching and draws nothing: a decoder may then verify
+    # from the target's argmax alone (decode.engine.SpeculativeDecoder._verify)
+    matches_greedily = False
 
     def verify(self, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
         raise NotImplementedError
@@ -38,6 +41,7 @@ class SpeculativeSampling(Rule):
     """Leviathan et al. / Chen et al.: accept x with min(1, p/q), else resample norm(max(0, p - q))."""
 
     lossless = True
+    matches_greedily = True  # a one-hot p makes every alpha 0 or 1 and every residual p (verify_rows)
 
     def verify(self, tokens, q, p, gen):
         return self.verify_rows([tokens.tolist()], q[:, None], p[None], [gen])[0]
@@ -88,6 +92,7 @@ class GreedyMatch(Rule):
     """Accept while the draft token is the target's argmax; emit the target's argmax next."""
 
     lossless = True
+    matches_greedily = True
 
     def verify(self, tokens, q, p, gen):
         return greedy_verify(tokens, p)

@@ -58,13 +58,23 @@ class FeatureSpec:
         return torch.cat(cols, dim=-1)
 
     def row(self, hidden, draft_entropy: float, draft_top1: float, q_cand: float, accepted_run: int = 0):
-        """build() of one row as a float32 numpy array, the scalars as Python floats: at batch 1 the decoder pays
-        per tensor op, and a row is a few hundred floats (decode.policies.HeadPolicy.prob)."""
-        scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
-                   "cand_logq": math.log(max(float(q_cand), 1e-20)),
-                   "accepted_run": math.log1p(min(max(accepted_run, 0), RUN_CAP))}
-        extras = np.array([scalars[e] for e in self.extras], dtype=np.float32)
-        return np.concatenate([np.asarray(hidden, dtype=np.float32), extras])
+        """build() of one row as a float32 numpy array, the scalars as Python floats (decode and replay build one
+        row per candidate: a few hundred floats, where torch would pay per op)."""
+        h = len(hidden)
+        out = np.empty(h + len(self.extras), dtype=np.float32)
+        out[:h] = hidden
+        self.extras_into(out[h:], draft_entropy, draft_top1, q_cand, accepted_run)
+        return out
+
+    def extras_into(self, out: np.ndarray, draft_entropy: float, draft_top1: float, q_cand: float,
+                    accepted_run: int = 0) -> np.ndarray:
+        """The extras of one row written into out, (len(extras),) float32 (decode.policies.HeadPolicy.prob reuses
+        one array: at batch 1 an allocation per candidate is a measurable share of the head's time)."""
+        for i, e in enumerate(self.extras):
+            out[i] = (draft_entropy if e == "draft_entropy" else draft_top1 if e == "draft_top1" else
+                      math.log(max(float(q_cand), 1e-20)) if e == "cand_logq" else
+                      math.log1p(min(max(accepted_run, 0), RUN_CAP)))
+        return out
 
     def rows(self, hidden: np.ndarray, draft_entropy: np.ndarray, draft_top1: np.ndarray, q_cand: np.ndarray,
              accepted_run: np.ndarray) -> np.ndarray:

@@ -136,7 +136,7 @@ def test_a_head_reads_the_accepted_run_before_each_candidate(greedy, tmp_path):
     head = export_head(tmp_path, greedy, position="prev", name="runs", extras=["accepted_run"])
     policy = SpecDecPP(head, h=0.5)
     seen = []
-    policy.fast_prob = lambda x: seen.append(float(x[-1])) or 0.9
+    policy.fast_prob = lambda x, extras: seen.append(float(extras[-1])) or 0.9
     policy.start()
     policy.verified(3, 3)  # all accepted: 3 candidates and the bonus token
     assert policy.run == 4

@@ -1,0 +1,179 @@
+"""Compiled one-row paths of what a head reads and computes, for decoding one sequence on the CPU.
+
+At batch 1 a head policy decides after every draft token, right after a draft forward. There each numpy call runs
+on caches the forward left cold: the numpy head path (about 20 array ops: the draft's softmax scalars, the feature
+row, the residual blocks) took 16 us in isolation and 100-120 us in the loop, 11-12% of a 0.9 ms draft step. Two
+numba functions do the same work in two calls, with no temporaries:
+    softmax_scalars(logits, token)       (V,) raw logits -> (confidence, entropy, top-1) of their softmax
+    mlp_prob(hidden, extras, params)     (H,) state and (E,) extras -> the head's calibrated probability
+Batches keep the numpy paths (decode.policies.draft_scalars, AcceptanceHead.inference_fn on (R, D)), whose BLAS
+matmul and SIMD exp win once there are rows to amortise a call over; tests hold the two paths equal. Without numba
+installed (HAVE_NUMBA False) callers use the numpy paths for one row too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from heads.features import RUN_CAP
+
+try:
+    import numba
+except ImportError:  # the numpy paths serve (slower at batch 1)
+    numba = None
+
+HAVE_NUMBA = numba is not None
+LOG2E = 1.4426950408889634
+# 2^r on [0, 1): the Taylor coefficients of exp(r ln 2), relative error under 2e-7 in float32 arithmetic
+POLY = (0.6931471805599453, 0.2402265069591007, 0.05550410866482158, 0.009618129107628477, 0.0013333558146428443,
+        0.00015403530393381606)
+
+
+# fast-math without "no infs, no nans": -inf logits (tokens a processor masked) stay well defined
+FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
+
+
+def _jit(fn):
+    return numba.njit(cache=True, fastmath=FAST, nogil=True)(fn) if HAVE_NUMBA else None
+
+
+def _exp_sums(x, m, work):
+    """sum(exp(s)) and sum(exp(s) * s) over s = x - m, (V,) float32 x of maximum m.
+
+    exp by 2^n * 2^r with n an integer built in the exponent bits (work's second half, viewed as int32) and 2^r a
+    polynomial: every loop vectorises, where a call to exp per element does not (8.7 against 5.6 us at V = 4096).
+    s is floored at -87 (2^-126): below it a term adds under 1e-36 to a sum >= 1, and -inf logits add no nan."""
+    v = x.shape[0]
+    frac, bits = work[:v], work[v:].view(np.int32)
+    c1, c2, c3 = np.float32(POLY[0]), np.float32(POLY[1]), np.float32(POLY[2])
+    c4, c5, c6 = np.float32(POLY[3]), np.float32(POLY[4]), np.float32(POLY[5])
+    floor = np.float32(-126.0 / LOG2E)
+    for i in range(v):
+        y = max(x[i] - m, floor) * np.float32(LOG2E)
+        n = np.floor(y)
+        r = y - n
+        frac[i] = np.float32(1.0) + r * (c1 + r * (c2 + r * (c3 + r * (c4 + r * (c5 + r * c6)))))
+        bits[i] = (np.int32(n) + np.int32(127)) << 23
+    scale = work[v:]
+    total = np.float32(0.0)
+    dot = np.float32(0.0)
+    for i in range(v):
+        e = frac[i] * scale[i]
+        total += e
+        dot += e * max(x[i] - m, floor)
+    return total, dot
+
+
+def _softmax_scalars(x, token, work):
+    m = x[0]
+    for i in range(x.shape[0]):
+        m = max(m, x[i])
+    total, dot = _exp_sums(x, m, work)
+    return math.exp(x[token] - m) / total, math.log(total) - dot / total, 1.0 / total
+
+
+def _softmax_scalars_rows(x, tokens, work, out):
+    for r in range(x.shape[0]):
+        c, e, t = _softmax_scalars(x[r], tokens[r], work)
+        out[0, r], out[1, r], out[2, r] = c, e, t
+
+
+def _mlp_prob(hidden, extras, inv, shift, w, b, w_out, b_out):
+    """The residual blocks of AcceptanceHead.inference_fn, folded alike (the first block's weights read the raw
+    features, its skip the normalised ones), over the features hidden (H,) then extras (E,), never concatenated.
+    w: (L, D, D) weights as (out, in), b: (L, D), D = H + E; L = 0 is a linear head."""
+    nh, d = hidden.shape[0], inv.shape[0]
+    x = np.empty(d, dtype=np.float32)
+    h = np.empty(d, dtype=np.float32)
+    z = np.empty(d, dtype=np.float32)
+    for j in range(nh):
+        x[j] = hidden[j]
+    for j in range(nh, d):
+        x[j] = extras[j - nh]
+    for j in range(d):
+        h[j] = x[j] * inv[j] + shift[j]
+    for layer in range(w.shape[0]):
+        src = x if layer == 0 else h
+        for j in range(d):
+            acc = np.float32(0.0)
+            for i in range(d):
+                acc += w[layer, j, i] * src[i]
+            z[j] = acc + b[layer, j]
+        for j in range(d):
+            h[j] += z[j] / (np.float32(1.0) + np.float32(math.exp(-z[j])))
+    acc = np.float32(0.0)
+    for j in range(d):
+        acc += h[j] * w_out[j]
+    return 1.0 / (1.0 + math.exp(-(acc + b_out)))
+
+
+def _head_step(logits, token, hidden, run, codes, work, inv, shift, w, b, w_out, b_out):
+    """softmax_scalars of the candidate's logits, the extras they and the accepted run make (codes: each extra's
+    index in heads.features.EXTRAS, in order), then the head: one call for a head policy's whole decision input."""
+    conf, ent, top1 = np.float32(0.0), np.float32(0.0), np.float32(0.0)
+    if logits.shape[0]:
+        conf, ent, top1 = _softmax_scalars(logits, token, work)
+    extras = np.empty(codes.shape[0], dtype=np.float32)
+    for i in range(codes.shape[0]):
+        c = codes[i]
+        if c == 0:
+            extras[i] = ent
+        elif c == 1:
+            extras[i] = top1
+        elif c == 2:
+            extras[i] = math.log(max(conf, 1e-20))
+        else:
+            extras[i] = math.log1p(min(max(run, 0), RUN_CAP))
+    return _mlp_prob(hidden, extras, inv, shift, w, b, w_out, b_out), conf, ent, top1
+
+
+_exp_sums = _jit(_exp_sums) or _exp_sums
+_softmax_scalars = _jit(_softmax_scalars) or _softmax_scalars
+_mlp_prob = _jit(_mlp_prob) or _mlp_prob
+_head_step_k = _jit(_head_step)
+_softmax_scalars_k = _softmax_scalars
+_softmax_scalars_rows_k = _jit(_softmax_scalars_rows)
+_NONE = np.zeros(0, dtype=np.float32)
+_WORK: dict[int, np.ndarray] = {}  # softmax_scalars' (2V,) work array by V: a fresh 32 KB array faults pages in
+
+
+def _work(v: int) -> np.ndarray:
+    if v not in _WORK:
+        _WORK[v] = np.empty(2 * v, dtype=np.float32)
+    return _WORK[v]
+
+
+def softmax_scalars(logits: np.ndarray, token: int) -> tuple[float, float, float]:
+    """(V,) float32 raw logits and a token -> the softmax's probability of the token, entropy in nats, top-1."""
+    return _softmax_scalars_k(logits, token, _work(logits.shape[-1]))
+
+
+def softmax_scalars_rows(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(R, V) float32 raw logits and (R,) tokens -> (3, R) float64: softmax_scalars of each row."""
+    out = np.empty((3, logits.shape[0]))
+    _softmax_scalars_rows_k(logits, tokens, _work(logits.shape[-1]), out)
+    return out
+
+
+def mlp_prob(hidden: np.ndarray, extras: np.ndarray, params: tuple) -> float:
+    """(H,) and (E,) float32 features and AcceptanceHead.inference_fn's folded parameters -> the probability."""
+    return _mlp_prob(hidden, extras, *params)
+
+
+def head_step(logits: np.ndarray | None, token: int, hidden: np.ndarray, run: int, codes: np.ndarray,
+              params: tuple) -> tuple[float, float, float, float]:
+    """A head policy's decision input in one call: (V,) raw logits (None: the extras read no softmax), the
+    candidate, (H,) state, the accepted run before it and the extras' codes -> (probability, confidence,
+    entropy, top-1)."""
+    v = 0 if logits is None else logits.shape[0]
+    return _head_step_k(_NONE if logits is None else logits, token, hidden, run, codes, _work(v), *params)
+
+
+def warm(vocab_size: int) -> None:
+    """Compile (or load from numba's cache) the kernels for the arrays decoding passes, so that the first draft
+    step of a timed generation does not pay for it."""
+    if HAVE_NUMBA:
+        softmax_scalars(np.zeros(vocab_size, dtype=np.float32), 0)
+        softmax_scalars_rows(np.zeros((1, vocab_size), dtype=np.float32), np.zeros(1, dtype=np.int64))

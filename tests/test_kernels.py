@@ -1,0 +1,108 @@
+"""The compiled one-row paths (heads.kernels) compute what the numpy paths compute, which stay for batches and for
+machines without numba; and the engine's greedy shortcuts decide as the general rule does."""
+
+import numpy as np
+import pytest
+import torch
+
+from decode import policies as P
+from decode.engine import SpeculativeDecoder
+from decode.policies import CostAwareStop, DraftStep, FixedK, SpecDecPP, draft_scalars
+from decode.rules import SpeculativeSampling
+from heads import EXTRAS, AcceptanceHead, kernels
+from tests.test_decode import PROMPTS, export_head
+
+pytest.importorskip("numba")
+
+
+def logits_rows(seed: int = 0) -> np.ndarray:
+    """(8, 500) float32 raw logits at several scales, two rows with masked (-inf) tokens."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((8, 500)).astype(np.float32) * np.array([0.1, 1, 3, 10, 30, 3, 3, 60], np.float32)[:, None]
+    x[5, ::3] = -np.inf
+    x[6, 1:] = -np.inf  # one token left
+    return x
+
+
+def test_softmax_scalars_of_one_row_and_of_rows_equal_the_reference_and_the_numpy_path(monkeypatch):
+    x, tokens = logits_rows(), np.array([7, 1, 2, 3, 4, 0, 0, 9])
+    p = torch.from_numpy(x).double().softmax(-1)
+    want = np.stack([p[range(8), tokens].numpy(), -torch.where(p > 0, p * p.log(), 0).sum(-1).numpy(),
+                     p.max(-1).values.numpy()])
+    rows = kernels.softmax_scalars_rows(x, tokens)
+    ones = np.array([kernels.softmax_scalars(x[r], int(tokens[r])) for r in range(8)]).T
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    numpy_path = np.array(draft_scalars(torch.from_numpy(x), tokens.tolist()))
+    for got in (rows, ones, numpy_path):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    assert ones[1, 6] == pytest.approx(0.0, abs=1e-6) and ones[2, 6] == pytest.approx(1.0)  # one token: no entropy
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_the_compiled_head_row_equals_the_module_and_the_numpy_rows(depth, monkeypatch):
+    torch.manual_seed(depth)
+    head = AcceptanceHead(20, depth)
+    with torch.no_grad():
+        head.set_normalizer(torch.randn(20), torch.rand(20) + 0.5)
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(30, 20) * 2 + 1
+    want = torch.sigmoid(0.8 * head(x) - 0.1).detach().numpy()
+    fast = head.inference_fn(0.8, -0.1)
+    assert fast.params is not None
+    rows = x.numpy()
+    one = np.array([fast(r) for r in rows])
+    split = np.array([fast(r[:16], r[16:]) for r in rows])  # a state and its extras, never concatenated
+    np.testing.assert_allclose(one, want, atol=1e-5)
+    np.testing.assert_allclose(split, one, atol=1e-6)
+    np.testing.assert_allclose(fast(rows), want, atol=1e-5)
+    np.testing.assert_allclose(fast(rows[:, :16], rows[:, 16:]), want, atol=1e-5)
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)  # without numba: the numpy path for one row too
+    plain = head.inference_fn(0.8, -0.1)
+    assert getattr(plain, "params", None) is None
+    np.testing.assert_allclose([plain(r[:16], r[16:]) for r in rows], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("extras, position", [(list(EXTRAS), "prev"), (["accepted_run"], "own")])
+def test_a_head_policy_decides_from_one_call_as_from_the_step_by_step_path(tiny_pair, tmp_path, extras, position):
+    """HeadPolicy.prob's one compiled call (scalars, extras and head) gives the probability the numpy features and
+    head give, and leaves the step's scalars as DraftStep computes them."""
+    head = export_head(tmp_path, tiny_pair, position=position, extras=extras, depth=3)
+    fused, plain = CostAwareStop(head), CostAwareStop(head)
+    plain.fast_prob.params = None
+    g = torch.Generator().manual_seed(3)
+    for i in range(20):
+        logits = torch.randn(tiny_pair.vocab, generator=g) * (0.5 + i)
+        hidden = torch.randn(tiny_pair.draft.config.hidden_size, generator=g)
+        fused.run = plain.run = i % 5
+        step, again = (DraftStep(i % 4, i, None, logits, hidden, hidden) for _ in range(2))
+        assert fused.prob(step) == pytest.approx(plain.prob(again), abs=1e-5)
+        want = [float(a[0]) for a in draft_scalars(logits[None], [i])]
+        assert [step.confidence, step.entropy, step.top1] == pytest.approx(want, rel=2e-5, abs=1e-7)
+
+
+def test_greedy_verification_from_the_argmax_decides_as_the_rule(tiny_pair, tmp_path, monkeypatch):
+    """Under greedy decoding the engine verifies a rule that matches greedily from the target's argmax, with no
+    one-hot rows: the same tokens and the same accepted counts as the rule handed the one-hot distributions."""
+    greedy = tiny_pair.with_sampling(temperature=0)
+    head = export_head(tmp_path, greedy, position="prev", extras=list(EXTRAS), depth=2)
+
+    def run():
+        out = []
+        for policy in (FixedK(3), SpecDecPP(head, h=0.5)):
+            dec = SpeculativeDecoder(greedy, policy, SpeculativeSampling())
+            out += [(g.tokens, g.stats.accepted) for g in (dec.generate(p, 20) for p in PROMPTS[:6])]
+        return out
+
+    fast = run()
+    monkeypatch.setattr(SpeculativeSampling, "matches_greedily", False)
+    assert run() == fast
+    assert any(a for _, acc in fast for a in acc)  # candidates were accepted, so the comparison means something
+
+
+def test_the_draft_step_reads_its_scalars_without_numba(monkeypatch):
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    logits = torch.from_numpy(logits_rows()[3])
+    step = DraftStep(0, 4, None, logits, None, None)
+    p = logits.double().softmax(-1)
+    assert step.confidence == pytest.approx(float(p[4]), rel=1e-5) and P.kernels.HAVE_NUMBA is False
