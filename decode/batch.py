@@ -22,8 +22,8 @@ from decode.costs import clock, measure_costs
 from decode.engine import Generation, Stats, check_prompt
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
-from decode.rowcache import RowCache
-from decode.rules import Rule
+from decode.rowcache import RowCache, compaction
+from decode.rules import Rule, greedy_rows
 from decode.sampling import pick_rows, transform
 from heads import kernels
 
@@ -110,7 +110,7 @@ class BatchDecoder:
             if done:
                 for i in done:
                     ends[rows[i]] = self.now() - t_start
-                stay = [i for i in range(len(rows)) if i not in set(done)]
+                stay = compaction(len(rows), done)
                 target.select(torch.tensor(stay, dtype=torch.long))
                 draft.select(torch.tensor(stay, dtype=torch.long))
                 ctl.select(stay)
@@ -124,9 +124,12 @@ class BatchDecoder:
     def _verdicts(self, tokens, q, logits, row_gens) -> list[tuple[int, int]]:
         """Each row's (accepted, next token): the rule's verification, or in a plain target step (no candidates) the
         target's own pick, as the target alone draws it (the rule's bonus token has the same law, at more cost)."""
+        s = self.pair.config.sampling
+        if s.temperature == 0 and self.rule.matches_greedily:  # the target's argmax decides (as in the engine)
+            return greedy_rows(tokens, logits)
         if q is None:
-            return [(0, t) for t in pick_rows(logits[:, 0], self.pair.config.sampling, row_gens)[0]]
-        return self.rule.verify_rows(tokens, q, transform(logits, self.pair.config.sampling), row_gens)
+            return [(0, t) for t in pick_rows(logits[:, 0], s, row_gens, want_q=False)[0]]
+        return self.rule.verify_rows(tokens, q, transform(logits, s), row_gens)
 
     def _verify_logits(self, target: RowCache, rows, pending, tokens, first, stats) -> torch.Tensor:
         """(B, M + 1, V) the target's logits after each row's pending token and after each of its candidates: one
@@ -142,8 +145,8 @@ class BatchDecoder:
         return logits if first is None else torch.cat([first, logits], 1)
 
     def _draft(self, draft: RowCache, rows, committed, pending, gens, limits, k_max, stats):
-        """One drafting round for every row -> each row's candidates, (M, R, V) their q (None if none) and the tokens
-        each row's draft cache holds of real text. A row stops on its own (the control or its limit); the batch
+        """One drafting round for every row -> each row's candidates, (M, R, V) their q (None if none, or if greedy
+        verification reads none) and the tokens each row's draft cache holds of real text. A row stops on its own (the control or its limit); the batch
         drafts while any row does, feeding a stopped row filler that the round's keep() cuts. As in the engine, a
         candidate is read only to draft the next one, or before the stop decision when the control needs the state
         after it ("own" heads)."""
@@ -151,6 +154,7 @@ class BatchDecoder:
         if k_max == 0:  # a plain target step: the draft reads the text later, when a round drafts
             return tokens, None, draft.length.tolist()
         s, own = self.pair.config.sampling, self.control.reads_own_state
+        want_q = not (s.temperature == 0 and self.rule.matches_greedily)  # else verification reads no q (_verdicts)
         row_gens = [gens[r] for r in rows]
         unread = [committed[r][int(x):] + [pending[r]] for r, x in zip(rows, draft.length)]
         t0 = self.now()
@@ -163,11 +167,12 @@ class BatchDecoder:
         while True:
             t0 = self.now()
             if len(live) < len(rows):  # only rows still drafting draw (a row's stream never depends on others)
-                picked, q_live = pick_rows(raw[torch.tensor(live)], s, [row_gens[i] for i in live])
-                q = raw.new_zeros(raw.shape).index_copy_(0, torch.tensor(live, device=raw.device), q_live)
+                picked, q_live = pick_rows(raw[torch.tensor(live)], s, [row_gens[i] for i in live], want_q)
+                q = None if q_live is None else \
+                    raw.new_zeros(raw.shape).index_copy_(0, torch.tensor(live, device=raw.device), q_live)
                 picked = dict(zip(live, picked))
             else:
-                picked, q = pick_rows(raw, s, row_gens)
+                picked, q = pick_rows(raw, s, row_gens, want_q)
             stats.t_sample += self.now() - t0
             qs.append(q)
             for i in live:
@@ -189,7 +194,7 @@ class BatchDecoder:
                 if not deciding:
                     break
             state, live = after, deciding
-        return tokens, torch.stack(qs), read
+        return tokens, None if qs[0] is None else torch.stack(qs), read
 
     def _decide(self, deciding, tokens, q, raw, before, after, stats) -> list[int]:
         """The control sees each deciding row's last candidate -> the rows that draft on."""
@@ -229,16 +234,16 @@ class BatchAutoregressive:
         rows, nxt, out = list(range(n)), [0] * n, [[] for _ in prompts]
         ends = [0.0] * n
         while True:
-            picked, _ = pick_rows(logits, self.pair.config.sampling, [gens[r] for r in rows])
-            stay = []
+            picked, _ = pick_rows(logits, self.pair.config.sampling, [gens[r] for r in rows], want_q=False)
+            gone = []
             for i, (r, tok) in enumerate(zip(rows, picked)):
                 out[r].append(tok)
                 nxt[r] = tok
-                if tok not in eos and len(out[r]) < max_new_tokens:
-                    stay.append(i)
-                else:
+                if tok in eos or len(out[r]) >= max_new_tokens:
                     ends[r] = self.now() - t_start
-            if len(stay) < len(rows):
+                    gone.append(i)
+            if gone:
+                stay = compaction(len(rows), gone)
                 cache.select(torch.tensor(stay, dtype=torch.long))
                 rows = [rows[i] for i in stay]
             if not rows:

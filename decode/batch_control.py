@@ -34,7 +34,7 @@ class RowsStep:
     index: int
     rows: list[int]  # their positions in the batch
     tokens: list[int]
-    q: torch.Tensor  # (R, V) the distributions the candidates were drawn from
+    q: torch.Tensor | None  # (R, V) the distributions the candidates were drawn from (None: greedy, unread)
     logits: torch.Tensor  # (R, V) the draft's raw logits behind q
     hidden_prev: torch.Tensor | None  # (R, H)
     hidden_own: torch.Tensor | None  # (R, H)
@@ -46,7 +46,7 @@ class RowsStep:
 
     def row(self, j: int) -> DraftStep:
         """Row j's DraftStep; its scalars, if a policy reads them, from the batch's one pass over every row."""
-        step = _RowStep(self.index, self.tokens[j], self.q[j], self.logits[j],
+        step = _RowStep(self.index, self.tokens[j], None if self.q is None else self.q[j], self.logits[j],
                         None if self.hidden_prev is None else self.hidden_prev[j],
                         None if self.hidden_own is None else self.hidden_own[j])
         step.batch, step.j = self, j

@@ -91,8 +91,8 @@ class RowCache:
 
     def bytes(self) -> int:
         """Bytes the key and value buffers hold (with their spare room, and the buffers kept for the next move)."""
-        return sum(b.numel() * b.element_size() for layer in self._layers()
-                   for b in (*layer.buffers, *getattr(layer, "spare", ())))
+        return sum(b.untyped_storage().nbytes() for layer in self._layers()  # a compacted batch's buffers are
+                   for b in (*layer.buffers, *getattr(layer, "spare", ())))  # views of rows of the storage it had
 
     def keep(self, lengths: torch.Tensor) -> None:
         """Cut row b back to its first lengths[b] tokens (at most what it holds): its cache moves right by what it
@@ -130,17 +130,39 @@ class RowCache:
             layer.keys, layer.values = (x[:, :, :new] for x in layer.buffers)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (indices into the current batch), in this order."""
+        """Keep only these rows (indices into the current batch), in this order. An order from compaction() copies
+        only the rows it moves into the places of rows that left, and the batch becomes the first len(rows) rows of
+        the same buffers; any other order is one index_select of every kept row."""
+        m, src = len(rows), rows.tolist()
+        moved = [i for i, r in enumerate(src) if r != i]
+        in_place = all(src[i] >= m for i in moved)  # sources past the new size: no row is overwritten before it moves
         for layer in self._layers():
-            r = rows.to(layer.keys.device)
-            shape = (len(rows), *layer.buffers[0].shape[1:])
-            layer.buffers = tuple(torch.index_select(x, 0, r, out=y.view(shape))
-                                  for x, y in zip(layer.buffers, _spare(layer, len(rows) * layer.buffers[0][0].numel())))
+            if in_place:
+                if moved:
+                    to, frm = (torch.tensor(x, device=layer.keys.device) for x in (moved, [src[i] for i in moved]))
+                    for x in layer.buffers:
+                        x.index_copy_(0, to, x.index_select(0, frm))
+                layer.buffers = tuple(x[:m] for x in layer.buffers)
+            else:
+                r = rows.to(layer.keys.device)
+                shape = (m, *layer.buffers[0].shape[1:])
+                layer.buffers = tuple(torch.index_select(x, 0, r, out=y.view(shape))
+                                      for x, y in zip(layer.buffers, _spare(layer, m * layer.buffers[0][0].numel())))
             layer.keys, layer.values = (x[:, :, :self.width] for x in layer.buffers)
         self.pad = self.pad.index_select(0, rows)
-        left = int(self.pad.min()) if len(rows) else 0
-        if left:
+        left = int(self.pad.min()) if m else 0
+        if 2 * left >= self.width > 0:  # padding in every row: cut it once it is half the width (a move copies all)
             self.keep(self.length)
+
+
+def compaction(n: int, gone: list[int]) -> list[int]:
+    """Rows 0..n-1 of a batch, those in `gone` leaving -> the order of the rows that stay that moves the fewest:
+    rows below the new size stay in place, and each place a leaving row frees there takes a row from the tail
+    (RowCache.select then copies those rows alone, where a full reorder copies every row: 0.28 s a move at batch
+    256 on the embedded pair)."""
+    left, m = set(gone), n - len(set(gone))
+    tail = [i for i in range(m, n) if i not in left]
+    return [tail.pop() if i in left else i for i in range(m)]
 
 
 def _spare(layer, numel: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,12 +120,16 @@ def uniform(generator: torch.Generator) -> torch.Tensor:
     return torch.rand((), generator=generator, device=generator.device)
 
 
-def pick_rows(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator]) -> tuple[list[int], torch.Tensor]:
+def pick_rows(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator],
+              want_q: bool = True) -> tuple[list[int], torch.Tensor | None]:
     """(R, V) logits -> R next tokens and (R, V) their distributions: pick() over rows, row r drawing from
     generators[r] exactly what pick() draws from it alone (one uniform), so a row's tokens do not depend on its
-    batch. One host read for the R tokens."""
-    q = transform(logits, s)
+    batch. One host read for the R tokens. Greedy: the argmax, and its one-hot rows only if want_q (None else)."""
     if s.temperature == 0:
-        return argmax(q).tolist(), q
+        best = argmax(logits)
+        q = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, best[:, None].to(logits.device), 1.0) \
+            if want_q else None
+        return best.tolist(), q
+    q = transform(logits, s)
     u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=q.device) for g in generators])
     return sample(q, u=u).tolist(), q
