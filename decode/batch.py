@@ -18,7 +18,7 @@ import torch
 
 from decode.batch_control import BatchControl, RowsStep, control_of
 from decode.batch_costs import batch_costs
-from decode.costs import clock, measure_costs
+from decode.costs import clock, head_cost, measure_costs
 from decode.engine import Generation, Stats, check_prompt
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
@@ -51,7 +51,8 @@ class BatchDecoder:
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1
-            policy.set_costs(*measure_costs(pair))
+            head_ms = head_cost(pair) if isinstance(policy, HeadPolicy) else 0.0
+            policy.set_costs(*measure_costs(pair), head_ms=head_ms)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:

@@ -78,6 +78,27 @@ class _Timer:
                 forward(self.models[m], self.prefix.to(pair.input_device(m)), self.caches[m], logits_to_keep=1)
 
     @torch.no_grad()
+    def head_ms(self, repeats: int) -> float:
+        """Median ms of one head decision right after a draft step, as decoding makes it (HeadPolicy.prob over the
+        step's raw logits and state): a depth-3 acceptance head reading the draft's state and every extra, the
+        shape of the shipped heads (its weights do not change its time)."""
+        from decode.policies import DraftStep, HeadPolicy
+        from heads import EXTRAS, AcceptanceHead
+
+        width = self.models["draft"].config.hidden_size
+        with torch.random.fork_rng(devices=[]):  # the head's random weights leave the caller's stream alone
+            head = AcceptanceHead(width + len(EXTRAS), depth=3).eval()
+        policy = HeadPolicy.in_memory(head, {"features": {"position": "prev", "extras": list(EXTRAS)}})
+        state, times = torch.zeros(width), []
+        for _ in range(repeats):
+            self.forward("draft", 1)
+            raw = self.last
+            t0 = self.now()
+            policy.prob(DraftStep(0, 0, None, raw, state, None))
+            times.append(self.now() - t0)
+        return 1e3 * statistics.median(times)
+
+    @torch.no_grad()
     def forward(self, name: str, n: int) -> float:
         cache, length = self.caches[name], self.prefix.shape[1]
         if cache.get_seq_length() + n > length + self.growth:
@@ -92,6 +113,7 @@ class _Timer:
             int(argmax(probs)) if s.temperature == 0 else int(sample(probs, self.gen))
         else:
             pick(logits[-1], s, self.gen)
+            self.last = logits[-1]  # what a head decision after this step reads (head_ms)
         return 1e3 * (self.now() - t0)
 
 
@@ -103,6 +125,7 @@ class CostModel:
     step: dict[str, list[float]] = field(default_factory=dict)
     prefill: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     switched: dict[str, list[float]] = field(default_factory=dict)
+    head: float = 0.0  # ms of one head decision after a draft step: a ("head", 1) entry of a call log
 
     @classmethod
     def measure(cls, pair, prompts: list[list[int]], n_max: int, repeats: int = 7, growth: int = 64,
@@ -131,7 +154,7 @@ class CostModel:
         picks = sorted({lengths[int(q * (len(lengths) - 1))] for q in (0.0, 0.25, 0.5, 0.75, 1.0)})
         return cls(step={m: med(m, False) for m in MODELS}, switched={m: med(m, True) for m in MODELS},
                    prefill={m: (picks, [_prefill_ms(timer.models[m], torch.tensor([by_len[n]]), 3) for n in picks])
-                            for m in MODELS})
+                            for m in MODELS}, head=timer.head_ms(3 * repeats))
 
     @classmethod
     def mean(cls, models: list[CostModel]) -> CostModel:
@@ -141,10 +164,14 @@ class CostModel:
 
         prefill = {k: (models[0].prefill[k][0], np.mean([m.prefill[k][1] for m in models], axis=0).tolist())
                    for k in models[0].prefill}
-        return cls(step=avg([m.step for m in models]), prefill=prefill, switched=avg([m.switched for m in models]))
+        return cls(step=avg([m.step for m in models]), prefill=prefill, switched=avg([m.switched for m in models]),
+                   head=float(np.mean([m.head for m in models])))
 
     def call_ms(self, model: str, n: int, switched: bool = False) -> float:
-        """Predicted ms of one forward of n tokens in that state: the step tables, else the prefill curve."""
+        """Predicted ms of one forward of n tokens in that state: the step tables, else the prefill curve; of n
+        head decisions ("head")."""
+        if model == "head":
+            return n * self.head
         table = self.switched.get(model) if switched else None
         if table and n <= len(table):
             return table[n - 1]
@@ -159,7 +186,7 @@ class CostModel:
         total, prev = 0.0, None
         for model, n in calls:
             total += self.call_ms(model, n, switched=prev is not None and prev != model)
-            prev = model
+            prev = prev if model == "head" else model  # a head decision evicts no model's weights
         return 1e-3 * total
 
     def describe(self) -> str:
@@ -167,10 +194,10 @@ class CostModel:
         sd, st = self.switched.get("draft", d), self.switched.get("target", t)
         return (f"draft step {d[0]:.2f} ms ({sd[0]:.2f} after a target step), target step {t[0]:.2f} ms "
                 f"(1 token; {st[0]:.2f} after a draft step) .. {t[-1]:.2f} ms ({len(t)} tokens), "
-                f"ratio {t[0] / d[0]:.1f}x")
+                f"ratio {t[0] / d[0]:.1f}x, head decision {1e3 * self.head:.0f} us")
 
 
-_COSTS: dict[tuple[int, int, int], tuple[float, list[float]]] = {}
+_COSTS: dict[tuple[int, int, int], CostModel] = {}
 
 
 @torch.no_grad()
@@ -180,9 +207,18 @@ def measure_costs(pair: Pair, prefix: int = 32, n_max: int = 21, repeats: int = 
     shuffled repeats): a draft step after another, and verify_ms[n - 1], the target verifying n tokens right after
     a draft step, for n up to n_max. The whole table, not a line: on CPUs some sizes run faster than smaller
     ones, and CostAwareStop looks for them."""
+    model = _measured(pair, prefix, n_max, repeats)
+    return model.step["draft"][0], model.switched["target"]
+
+
+def head_cost(pair: Pair) -> float:
+    """ms of one head decision after a draft step, measured with measure_costs' steps (CostModel.head)."""
+    return _measured(pair).head
+
+
+def _measured(pair: Pair, prefix: int = 32, n_max: int = 21, repeats: int = 5) -> CostModel:
     key = (id(pair.draft), id(pair.target), n_max)
     if key not in _COSTS:
         ids = [1 + i % max(1, pair.vocab - 1) for i in range(prefix)]
-        model = CostModel.measure(pair, [ids], n_max=n_max, repeats=repeats, draft_n_max=1)
-        _COSTS[key] = (model.step["draft"][0], model.switched["target"])
+        _COSTS[key] = CostModel.measure(pair, [ids], n_max=n_max, repeats=repeats, draft_n_max=1)
     return _COSTS[key]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.costs import clock, measure_costs
+from decode.costs import clock, head_cost, measure_costs
 from decode.kvcache import crop_cache, forward, rollback_cache
 from decode.labels import accept_prob
 from decode.pair import Pair, input_device
@@ -137,7 +137,8 @@ class SpeculativeDecoder:
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if policy.needs_costs:
-            policy.set_costs(*measure_costs(pair))
+            head_ms = head_cost(pair) if isinstance(policy, HeadPolicy) else 0.0
+            policy.set_costs(*measure_costs(pair), head_ms=head_ms)
 
     def _timed(self, which: str, stats: Stats, fn, *args):
         t0 = self.now()
@@ -167,7 +168,7 @@ class SpeculativeDecoder:
                 return ok
 
             policy.peek = peek
-        own, needs_alpha = policy.reads_own_state, getattr(policy, "needs_alpha", False)
+        own, needs_alpha, head = policy.reads_own_state, getattr(policy, "needs_alpha", False), isinstance(policy, HeadPolicy)
         # Greedy on the CPU: the argmax alone per candidate, and the round's one-hot rows built at once when it ends
         # (a (V,) one-hot per candidate cost 10 us right after each draft forward)
         greedy = s.temperature == 0 and logits.device.type == "cpu" and not needs_alpha
@@ -191,6 +192,8 @@ class SpeculativeDecoder:
             t0, t_oracle = self.now(), stats.t_oracle
             stop = policy.stop(step)
             stats.t_head += self.now() - t0 - (stats.t_oracle - t_oracle)
+            if head:  # the cost model prices each head decision (decode.costs.CostModel.head)
+                draft.calls.append(("head", 1))
             if stop:
                 return tokens, qs
             if not own:

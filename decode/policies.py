@@ -182,14 +182,27 @@ class HeadPolicy(Policy):
     needs_hidden = True
 
     def __init__(self, head_dir: str, allow_sampling_mismatch: bool = False):
-        self.head, self.config = from_pretrained(head_dir)
+        head, config = from_pretrained(head_dir)
+        self._use(head, config)
+        self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
+
+    @classmethod
+    def in_memory(cls, head, config: dict) -> HeadPolicy:
+        """A head policy over a head that is in memory, not exported (config as an export's: its "features"): what
+        the cost model times a head decision with (decode.costs)."""
+        self = cls.__new__(cls)
+        HeadPolicy._use(self, head, config)
+        self.head_dir, self.allow_sampling_mismatch = "(in memory)", False
+        return self
+
+    def _use(self, head, config: dict) -> None:
+        self.head, self.config = head, config
         self.features = FeatureSpec(**self.config["features"])
         self.reads_own_state = self.features.position == "own"
         # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule multiplies),
         # folded into the head's numpy path, whose cost at batch 1 is dispatch
         cal = self.config.get("calibration") or {"a": 1.0, "b": 0.0}
         self.fast_prob = self.head.inference_fn(cal["a"], cal["b"])
-        self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
         self.run = 0  # accepted positions right before this round's first candidate (the extra accepted_run)
         self._extras = np.empty(len(self.features.extras), dtype=np.float32)  # prob()'s, rewritten per candidate
         self._codes = np.array([EXTRAS.index(e) for e in self.features.extras], dtype=np.int64)
@@ -301,23 +314,25 @@ class RenewalStop(Policy):
         if None not in costs:
             self.costs = (draft_ms, [target_ms + n * per_token_ms for n in range(self.max_len + 1)])
         self.tokens = self.spent = 0.0  # expected tokens and ms of the rounds finished so far
-        self.k = 0
+        self.k, self.head_ms = 0, 0.0
         self.reset()
 
-    def set_costs(self, draft_ms: float, verify_ms: list[float]) -> None:
-        """The machine's step costs in ms (verify_ms[n - 1]: the target verifying n tokens), when the constructor
-        was not given them. A table shorter than max_len + 1 is extended along its last step."""
+    def set_costs(self, draft_ms: float, verify_ms: list[float], head_ms: float = 0.0) -> None:
+        """The machine's step costs in ms (verify_ms[n - 1]: the target verifying n tokens; head_ms: one head
+        decision, which a policy driven by a head spends on every candidate), when the constructor was not given
+        them. A table shorter than max_len + 1 is extended along its last step."""
         if self.costs is None:
+            self.head_ms = head_ms if isinstance(self, HeadPolicy) else 0.0
             v = [float(x) for x in verify_ms]
             slope = max(0.0, v[-1] - v[-2]) if len(v) > 1 else 0.0
             v += [v[-1] + slope * (i + 1) for i in range(self.max_len + 1 - len(v))]
             self.costs = (float(draft_ms), v)
 
     def cost(self, k: int) -> float:
-        """C_k, the round's cost with k candidates; a head reading the "own" state adds the draft pass over the
-        last candidate (SpecDecPP's docstring)."""
+        """C_k, the round's cost with k candidates, each a draft step and a head decision; a head reading the "own"
+        state adds the draft pass over the last candidate (SpecDecPP's docstring)."""
         d, verify = self.costs
-        return k * d + verify[k] + (d if self.reads_own_state else 0.0)
+        return k * (d + self.head_ms) + verify[k] + (d if self.reads_own_state else 0.0)
 
     @functools.cached_property
     def round_costs(self) -> list[float]:

@@ -4,7 +4,7 @@ import pytest
 
 from decode.engine import SpeculativeDecoder
 from decode.evaluation.replay import CostLine, record, replay, speedup, target_alone_calls
-from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, Oracle, SpecDecPP
+from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, HeadPolicy, Oracle, SpecDecPP
 from decode.rules import SpeculativeSampling
 from tests.test_decode import PROMPTS, export_head
 
@@ -35,6 +35,8 @@ def test_replay_writes_the_engines_call_log_for_every_policy(greedy, tmp_path):
             out = SpeculativeDecoder(greedy, live, SpeculativeSampling()).generate(prompt, 24)
             calls, n = replay(traj, replayed, greedy.config.max_context)
             assert calls == out.stats.calls and n == len(out.tokens), (type(live).__name__, prompt)
+            decisions = sum(1 for m, _ in calls if m == "head")  # one per candidate a head decided on
+            assert (decisions > 0) == isinstance(live, HeadPolicy), type(live).__name__
             checked += 1
     assert checked == 8 * 9
 
@@ -102,6 +104,26 @@ def test_a_measured_verify_table_draws_the_stop_to_a_size_that_runs_faster(greed
     short = CostAwareStop(head, max_len=8)
     short.set_costs(1.2, line[:3])  # a table shorter than max_len + 1 goes on along its last step
     assert short.costs[1] == pytest.approx(line[:9])
+
+
+def test_the_cost_aware_stop_prices_its_own_head_decisions(greedy, tmp_path):
+    """Each candidate costs a draft step and a head decision: at 0.6 ms a decision the third candidate's 0.512 tokens
+    for 2.01 ms no longer beat the round's 2.44 tokens / 9.01 ms, so the 0.8 head stops at k = 2, not 3; a call log
+    prices a ("head", 1) entry at that cost, and a decision between two draft steps leaves the draft warm."""
+    import math
+
+    from decode.costs import CostModel
+
+    head = export_head(tmp_path, greedy, bias=math.log(0.8 / 0.2), position="prev", name="sure-priced")
+    policy = CostAwareStop(head)
+    policy.set_costs(1.2, [4.99 + 0.21 * n for n in range(21)], head_ms=0.6)
+    policy.reset()
+    assert [policy.stop(replay_step(i)) for i in range(2)] == [False, True]
+    line = CostLine.parse("1.0,5.0,0.25,0.05")
+    assert line.predict_s([("draft", 1), ("head", 1), ("target", 3)]) == pytest.approx(1e-3 * (1 + 0.05 + 5.5))
+    model = CostModel(step={"draft": [1.0], "target": [6.0]}, switched={"draft": [3.0], "target": [8.0]}, head=0.04)
+    # the second draft step is priced warm (1.0), not switched (3.0): the decision between them runs no model
+    assert model.predict_s([("target", 1), ("draft", 1), ("head", 1), ("draft", 1)]) == pytest.approx(1e-3 * 10.04)
 
 
 def test_engine_and_replay_report_every_rounds_acceptance_to_the_policy(greedy):

@@ -114,8 +114,8 @@ class HindsightOracle(Policy):
         self.cost: StepCosts | None = None
         self.rounds: list[int] = []
 
-    def set_costs(self, draft_ms: float, verify_ms: list[float]) -> None:
-        self.cost = StepCosts(draft_ms, verify_ms)
+    def set_costs(self, draft_ms: float, verify_ms: list[float], head_ms: float = 0.0) -> None:
+        self.cost = StepCosts(draft_ms, verify_ms)  # it decides with no head
 
     def plan(self, pair, prompt: list[int], max_new: int) -> None:
         """Record the generation ahead (decode.evaluation.replay.record) and plan its rounds."""

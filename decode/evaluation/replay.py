@@ -35,7 +35,7 @@ import torch
 from decode.engine import Autoregressive, Runner
 from decode.labels import accept_prob
 from decode.pair import Pair
-from decode.policies import DraftStep, Policy
+from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.sampling import pick, transform
 
 
@@ -173,7 +173,7 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
             policy.peek = lambda j, run=run, at=out: at + j < len(y) and run.tokens[j] == y[at + j]
         calls.append(("draft", committed + 1 - draft_len))
         draft_len, k = committed + 1, 0
-        own = policy.reads_own_state
+        own, head = policy.reads_own_state, isinstance(policy, HeadPolicy)
         while True:
             k += 1
             if k >= min(policy.max_len, limit, len(run.tokens)):  # the recording's candidates end the round too
@@ -181,7 +181,10 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
             if own:
                 calls.append(("draft", 1))
                 draft_len += 1
-            if policy.stop(RecordedStep(run, k - 1)):
+            stop = policy.stop(RecordedStep(run, k - 1))
+            if head:
+                calls.append(("head", 1))
+            if stop:
                 break
             if not own:
                 calls.append(("draft", 1))
@@ -202,22 +205,27 @@ def target_alone_calls(traj: Trajectory) -> list[tuple[str, int]]:
 
 @dataclass
 class CostLine:
-    """A cost model of three numbers (ms): a draft step, a target forward of one token, each extra token."""
+    """A cost model of three numbers (ms): a draft step, a target forward of one token, each extra token; and a
+    fourth, a head decision (0 if not given)."""
 
     draft_ms: float
     target_ms: float
     per_token_ms: float
+    head_ms: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> CostLine:
         parts = [float(x) for x in text.split(",")]
-        if len(parts) != 3 or min(parts) < 0:
-            raise ValueError(f"--cost takes 'draft_ms,target_ms,per_token_ms' (e.g. 1.20,4.99,0.21), got {text!r}")
+        if len(parts) not in (3, 4) or min(parts) < 0:
+            raise ValueError("--cost takes 'draft_ms,target_ms,per_token_ms[,head_ms]' (e.g. 1.20,4.99,0.21,0.04), "
+                             f"got {text!r}")
         return cls(*parts)
 
     def call_ms(self, model: str, n: int, switched: bool = False) -> float:
         """A target forward of n tokens is target_ms + (n - 1) per_token_ms; the draft's grows in the same
-        proportion (its prefill is a forward of the prompt, not one step per token)."""
+        proportion (its prefill is a forward of the prompt, not one step per token); n head decisions n head_ms."""
+        if model == "head":
+            return n * self.head_ms
         target = self.target_ms + self.per_token_ms * (n - 1)
         return self.draft_ms * target / self.target_ms if model == "draft" else target
 
@@ -229,7 +237,8 @@ class CostLine:
         return self.draft_ms, [self.call_ms("target", n) for n in range(1, n_max + 1)]
 
     def describe(self) -> str:
-        return f"draft step {self.draft_ms:g} ms, target {self.target_ms:g} ms + {self.per_token_ms:g} ms per extra token"
+        return (f"draft step {self.draft_ms:g} ms, target {self.target_ms:g} ms + {self.per_token_ms:g} ms per extra "
+                f"token, head decision {self.head_ms:g} ms")
 
 
 def per_prompt(trajs: list[Trajectory], play: Callable[[Trajectory], tuple[list, int]], cost) -> tuple[np.ndarray, float]:
@@ -274,7 +283,7 @@ def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[st
         for value, make in values:
             policy = make()
             if policy.needs_costs:
-                policy.set_costs(*cost.costs())
+                policy.set_costs(*cost.costs(), head_ms=cost.head_ms)
             rows.append((value, *per_prompt(trajs, lambda t, p=policy: replay(t, p, max_context), cost)))
         out[family] = rows
     return out
@@ -284,7 +293,7 @@ class Priced:
     """A measured decode.costs.CostModel with the CostLine interface (predict_s, costs, describe)."""
 
     def __init__(self, model):
-        self.model = model
+        self.model, self.head_ms = model, model.head
 
     def predict_s(self, calls):
         return self.model.predict_s(calls)

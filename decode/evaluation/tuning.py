@@ -243,7 +243,7 @@ def check(cfg: dict, run: Path) -> None:
                     continue
                 policy = build(m.policy)
                 if policy.needs_costs:
-                    policy.set_costs(*cost.costs())
+                    policy.set_costs(*cost.costs(), head_ms=cost.head_ms)
                 ours = alone / sum(cost.predict_s(replay(t, policy, pair.config.max_context)[0]) for t in trajs)
                 bench = r["cost_model_tokens_per_s"] / target["cost_model_tokens_per_s"]
                 kind = "greedy" if setting.temperature == 0 else "sampling"
