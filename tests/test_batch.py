@@ -223,19 +223,19 @@ def test_batch_costs_are_measured_on_the_decoders_own_caches(tiny_pair):
     assert "batch" in costs.describe()
 
 
-def test_the_batch_bench_reports_its_noise_floor_from_the_table_at_k0():
-    """Where the dev table's K is 0 it does the target alone's work: markdown() prints the spread of its per-batch
-    ratios as the run's A/A check, and says so when there is none."""
-    from decode.evaluation.batch import markdown
+def test_the_batch_bench_reports_its_noise_floor_from_the_target_alone_run_twice():
+    """The target alone decodes every batch twice: markdown() prints the second run's per-batch ratios to the first
+    as the run's A/A check, and says so when a run has none."""
+    from decode.evaluation.batch import AGAIN, markdown
 
     def row(method, b, per_batch, note=""):
         return {"prompts": "p/test", "setting": "greedy", "batch_size": b, "method": method, "speedup": 1.0, "lo": 1.0,
                 "hi": 1.0, "tokens_per_s": 100.0, "row_latency_s": 0.1, "peak_kv_mib": 1.0, "note": note,
                 "per_batch": per_batch}
 
-    rows = [row("target", 8, [100.0, 200.0]), row("SD K=1", 8, [90.0, 210.0], "the single K best over all sizes on dev"),
+    rows = [row("target", 8, [100.0, 200.0]), row(AGAIN, 8, [95.0, 220.0]),
+            row("SD K=1", 8, [90.0, 210.0], "the single K best over all sizes on dev"),
             row("draft confidence 0.4", 8, [80.0, 150.0]), row("batch-size table (dev)", 8, [95.0, 220.0], "K = 0 at this size"),
             row("batch controller", 8, [100.0, 200.0])]
-    assert "B = 8 0.95-1.10." in markdown(rows)
-    rows[3]["note"] = "K = 2 at this size"
-    assert "no A/A check" in markdown(rows)
+    assert "B = 8 1.02x (0.95-1.10)." in markdown(rows)
+    assert "no A/A check" in markdown(rows[:1] + rows[2:])
