@@ -187,7 +187,6 @@ class BatchCostAware(HeadPolicy, BatchControl):
     def start(self, n):
         self.run_rows = np.zeros(n, dtype=np.int64)
         self.tokens = self.spent = 0.0  # the long-run rate of this request's rounds (decide's r)
-        self.first = True  # the first drafted round also reads the prompts into the draft: not a typical round
 
     def round_costs(self, b: int) -> list[float]:
         """C_0 .. C_max_len at batch size b: C_0 a plain target step, C_k a round of k candidates per row."""
@@ -235,10 +234,9 @@ class BatchCostAware(HeadPolicy, BatchControl):
         return (self.measured.get(key, 0.0) + c) / (self.predicted.get(key, 0.0) + c)
 
     def timed(self, ms):
+        # Every drafted round joins its factor, the first too: it reads the prompts into the draft, as a drafted
+        # round after plain steps reads the text they added, and a request that drafts pays for those reads
         drafted = self.k > 0
-        if drafted and self.first:
-            self.first = False
-            return
         key = (self.bucket, drafted)
         self.measured[key] = self.measured.get(key, 0.0) + ms
         self.predicted[key] = self.predicted.get(key, 0.0) + self.c[self.k]
