@@ -178,21 +178,6 @@ def test_label_folder_and_head_name_follow_the_sampling_setting(tiny_labels):
     assert own.meta()["sampling"]["temperature"] == 1.0  # recorded from the label set, read back by decode
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-def test_inference_path_equals_the_module(depth):
-    torch.manual_seed(depth)
-    head = AcceptanceHead(16, depth)
-    with torch.no_grad():
-        head.set_normalizer(torch.randn(16), torch.rand(16) + 0.5)
-        for p in head.parameters():
-            p.normal_(0, 0.5)
-    fast = head.inference_fn()
-    x = torch.randn(20, 16) * 2 + 1
-    want = head.prob(x)
-    got = torch.tensor([fast(row.numpy()) for row in x], dtype=torch.float32)
-    assert torch.allclose(got, want, atol=1e-5)
-
-
 @pytest.mark.slow
 def test_sigterm_during_fit_saves_state_and_the_resumed_run_exports_the_same_head(tiny_labels, tmp_path):
     import os
