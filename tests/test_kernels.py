@@ -39,6 +39,14 @@ def test_softmax_scalars_of_one_row_and_of_rows_equal_the_reference_and_the_nump
     assert ones[1, 6] == pytest.approx(0.0, abs=1e-6) and ones[2, 6] == pytest.approx(1.0)  # one token: no entropy
 
 
+def test_the_exp_polynomial_is_float32_accurate():
+    r = np.linspace(0.0, 1.0, 100_001)
+    acc = np.zeros_like(r)
+    for c in reversed(kernels.POLY):
+        acc = (acc + c) * r
+    assert np.abs((1.0 + acc) / 2.0 ** r - 1.0).max() < 1e-6
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_the_compiled_head_row_equals_the_module_and_the_numpy_rows(depth, monkeypatch):
     torch.manual_seed(depth)
