@@ -244,12 +244,11 @@ class HeadPolicy(Policy):
             return self.fast_prob(hidden)
         run = self.run + step.index
         params = getattr(self.fast_prob, "params", None)  # the compiled one-row path (heads.kernels)
-        reads = self._reads
         fresh = step.logits is not None and step.logits.device.type == "cpu" and "_scalars" not in vars(step)
-        if params is not None and (fresh or not reads):  # scalars, extras and head in one call
-            logits = as_numpy(step.logits) if reads else None
+        if params is not None and (fresh or not self._reads):  # scalars, extras and head in one call
+            logits = as_numpy(step.logits) if self._reads else None
             p, *scalars = kernels.head_step(logits, step.token, hidden, run, self._codes, params)
-            if reads:
+            if self._reads:
                 vars(step)["_scalars"] = tuple(scalars)  # a rule or a caller reading them does not pay again
             return p
         extras = self.features.extras_into(self._extras, step.entropy, step.top1, step.confidence, run)
