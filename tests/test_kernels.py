@@ -117,3 +117,16 @@ def test_the_draft_step_reads_its_scalars_without_numba(monkeypatch):
     step = DraftStep(0, 4, None, logits, None, None)
     p = logits.double().softmax(-1)
     assert step.confidence == pytest.approx(float(p[4]), rel=1e-5) and P.kernels.HAVE_NUMBA is False
+
+
+def test_a_gpu_step_reads_its_scalars_and_state_in_one_transfer():
+    """HeadPolicy._read_with_scalars (the path of steps on a GPU, run here on CPU tensors): the state as it is, and
+    the step's scalars as DraftStep computes them."""
+    from decode.policies import HeadPolicy
+
+    g = torch.Generator().manual_seed(5)
+    logits, state = torch.randn(300, generator=g) * 4, torch.randn(16, generator=g)
+    step = DraftStep(0, 11, None, logits, state, None)
+    np.testing.assert_allclose(HeadPolicy._read_with_scalars(step, state), state.numpy(), rtol=1e-6)
+    want = [float(a[0]) for a in draft_scalars(logits[None], [11])]
+    assert [step.confidence, step.entropy, step.top1] == pytest.approx(want, rel=1e-5, abs=1e-7)
