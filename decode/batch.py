@@ -51,8 +51,7 @@ class BatchDecoder:
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1
-            head_ms = head_cost(pair) if isinstance(policy, HeadPolicy) else 0.0
-            policy.set_costs(*measure_costs(pair), head_ms=head_ms)
+            policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:
@@ -126,7 +125,7 @@ class BatchDecoder:
         """Each row's (accepted, next token): the rule's verification, or in a plain target step (no candidates) the
         target's own pick, as the target alone draws it (the rule's bonus token has the same law, at more cost)."""
         s = self.pair.config.sampling
-        if s.temperature == 0 and self.rule.matches_greedily:  # the target's argmax decides (as in the engine)
+        if self.rule.decides_by_argmax(s):  # as in the engine
             return greedy_rows(tokens, logits)
         if q is None:
             return [(0, t) for t in pick_rows(logits[:, 0], s, row_gens, want_q=False)[0]]
@@ -155,7 +154,7 @@ class BatchDecoder:
         if k_max == 0:  # a plain target step: the draft reads the text later, when a round drafts
             return tokens, None, draft.length.tolist()
         s, own = self.pair.config.sampling, self.control.reads_own_state
-        want_q = not (s.temperature == 0 and self.rule.matches_greedily)  # else verification reads no q (_verdicts)
+        want_q = not self.rule.decides_by_argmax(s)  # else verification reads no q (_verdicts)
         row_gens = [gens[r] for r in rows]
         unread = [committed[r][int(x):] + [pending[r]] for r, x in zip(rows, draft.length)]
         t0 = self.now()

@@ -20,7 +20,7 @@ from decode.labels import accept_prob
 from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule, greedy_rows
-from decode.sampling import as_numpy, one_hots, pick, transform
+from decode.sampling import one_hots, pick, transform
 from heads import kernels
 
 
@@ -137,8 +137,7 @@ class SpeculativeDecoder:
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if policy.needs_costs:
-            head_ms = head_cost(pair) if isinstance(policy, HeadPolicy) else 0.0
-            policy.set_costs(*measure_costs(pair), head_ms=head_ms)
+            policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
 
     def _timed(self, which: str, stats: Stats, fn, *args):
         t0 = self.now()
@@ -171,11 +170,11 @@ class SpeculativeDecoder:
         own, needs_alpha, head = policy.reads_own_state, getattr(policy, "needs_alpha", False), isinstance(policy, HeadPolicy)
         # Greedy on the CPU: the argmax alone per candidate, and the round's one-hot rows built at once when it ends
         # (a (V,) one-hot per candidate cost 10 us right after each draft forward)
-        greedy = s.temperature == 0 and logits.device.type == "cpu" and not needs_alpha
+        want_q = not (s.temperature == 0 and logits.device.type == "cpu") or needs_alpha
         while True:
             t0 = self.now()
             raw = logits[-1]
-            tok, q = (int(as_numpy(raw).argmax()), None) if greedy else pick(raw, s, self.gen)
+            tok, q = pick(raw, s, self.gen, want_q)
             stats.t_sample += self.now() - t0
             tokens.append(tok), qs.append(q)
             if len(tokens) >= min(policy.max_len, limit):
@@ -215,7 +214,7 @@ class SpeculativeDecoder:
         matching under a greedy target (Rule.matches_greedily) reads the target's argmax alone: the one-hot
         distributions it would otherwise be handed decide nothing more (170 us a round at k = 7 here)."""
         s = self.pair.config.sampling
-        if s.temperature == 0 and self.rule.matches_greedily:
+        if self.rule.decides_by_argmax(s):
             t0 = self.now()
             verdict = greedy_rows([tokens], logits[None])[0]
         else:

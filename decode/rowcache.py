@@ -136,12 +136,13 @@ class RowCache:
         m, src = len(rows), rows.tolist()
         moved = [i for i, r in enumerate(src) if r != i]
         in_place = all(src[i] >= m for i in moved)  # sources past the new size: no row is overwritten before it moves
+        to, frm = torch.tensor(moved, dtype=torch.long), torch.tensor([src[i] for i in moved], dtype=torch.long)
         for layer in self._layers():
             if in_place:
                 if moved:
-                    to, frm = (torch.tensor(x, device=layer.keys.device) for x in (moved, [src[i] for i in moved]))
+                    to_d, frm_d = to.to(layer.keys.device), frm.to(layer.keys.device)
                     for x in layer.buffers:
-                        x.index_copy_(0, to, x.index_select(0, frm))
+                        x.index_copy_(0, to_d, x.index_select(0, frm_d))
                 layer.buffers = tuple(x[:m] for x in layer.buffers)
             else:
                 r = rows.to(layer.keys.device)

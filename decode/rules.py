@@ -12,6 +12,7 @@ import math
 import torch
 
 from decode import labels as L
+from decode.pair import Sampling
 from decode.sampling import argmax, sample, uniform
 
 
@@ -20,8 +21,12 @@ class Rule:
 
     lossless = False
     # Under a greedy target (one-hot p) this rule is greedy matching and draws nothing: a decoder may then verify
-    # from the target's argmax alone (decode.engine.SpeculativeDecoder._verify)
+    # from the target's argmax alone (decides_by_argmax)
     matches_greedily = False
+
+    def decides_by_argmax(self, s: Sampling) -> bool:
+        """Does the target's argmax alone decide verification under s? Then a decoder builds no one-hot p or q."""
+        return s.temperature == 0 and self.matches_greedily
 
     def verify(self, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
         raise NotImplementedError

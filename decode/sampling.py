@@ -18,8 +18,8 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     Temperature 0 gives the one-hot argmax (greedy decoding as a distribution).
     """
     logits = logits.float()
-    if s.temperature == 0:  # scatter into zeros: no (..., V) int64 one_hot and no copy to float
-        return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
+    if s.temperature == 0:
+        return one_hot_at(argmax(logits), logits)
     if s.temperature != 1.0:  # x / 1 == x: skip a pass over (..., V) (6.3M values per labelled batch)
         logits = logits / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
@@ -52,6 +52,12 @@ def as_numpy(x: torch.Tensor) -> np.ndarray:
     return x.numpy() if x.dtype in (torch.float32, torch.float64) else x.float().numpy()
 
 
+def one_hot_at(best: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(...) token ids and (..., V) logits -> (..., V) float32 one-hot rows on the logits' device: scattered into
+    zeros, with no (..., V) int64 one_hot and no copy to float."""
+    return torch.zeros_like(like, dtype=torch.float32).scatter_(-1, best.unsqueeze(-1).to(like.device), 1.0)
+
+
 def one_hots(tokens: list[int], vocab: int) -> torch.Tensor:
     """k tokens -> (k, V) float32 rows, each the one-hot of its token: greedy decoding's distributions."""
     q = np.zeros((len(tokens), vocab), dtype=np.float32)
@@ -59,16 +65,19 @@ def one_hots(tokens: list[int], vocab: int) -> torch.Tensor:
     return torch.from_numpy(q)
 
 
-def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None,
+         want_q: bool = True) -> tuple[int, torch.Tensor | None]:
     """(V,) logits -> the next token and (V,) its distribution under s, as decoding reads them.
 
-    Greedy: the argmax and its one-hot, found in one pass with nothing drawn, all in numpy (27 us right after
-    a draft forward here, where torch's transform and argmax took 64 to 70: the first calls after a forward run
-    on cold caches, and numpy's paths are shorter); else a draw from transform.
+    Greedy: the argmax and its one-hot (None unless want_q), found in one pass with nothing drawn, all in numpy
+    on the CPU (27 us right after a draft forward here, where torch's transform and argmax took 64 to 70: the first
+    calls after a forward run on cold caches, and numpy's paths are shorter); else a draw from transform.
     """
     if s.temperature == 0 and logits.device.type == "cpu":
         tok = int(as_numpy(logits).argmax())
-        return tok, one_hots([tok], logits.shape[-1])[0]
+        return tok, one_hots([tok], logits.shape[-1])[0] if want_q else None
+    if s.temperature == 0 and not want_q:
+        return int(argmax(logits)), None
     q = transform(logits, s)
     if s.temperature == 0:  # on a GPU: the one-hot stays there, one host read for the token id
         return int(q.argmax()), q
@@ -127,9 +136,7 @@ def pick_rows(logits: torch.Tensor, s: Sampling, generators: list[torch.Generato
     batch. One host read for the R tokens. Greedy: the argmax, and its one-hot rows only if want_q (None else)."""
     if s.temperature == 0:
         best = argmax(logits)
-        q = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, best[:, None].to(logits.device), 1.0) \
-            if want_q else None
-        return best.tolist(), q
+        return best.tolist(), one_hot_at(best, logits) if want_q else None
     q = transform(logits, s)
     u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=q.device) for g in generators])
     return sample(q, u=u).tolist(), q

@@ -97,7 +97,7 @@ class AcceptanceHead(Head):
         def prob(x, extras=None):
             x = np.asarray(x, dtype=np.float32)
             if x.ndim == 2:
-                return rows(x if extras is None else np.concatenate([x, extras], axis=1))
+                return rows(x, extras)
             return kernels.mlp_prob(x, none if extras is None else extras, params)
 
         prob(np.zeros(len(inv), np.float32))  # compiled (or loaded from numba's cache) now, not in a timed step
