@@ -2,8 +2,8 @@
 
     gens = BatchDecoder(pair, FixedK(4), SpeculativeSampling()).generate([ids_a, ids_b, ids_c], max_new_tokens=64)
 
-KV caches: decode.rowcache.RowCache keeps every row's text contiguous and right-aligned, and cuts each row back to
-the text it keeps after verification (no rejected position stays behind a mask).
+KV caches: decode.rowcache.RowCache rolls each row back to the text it keeps after verification by masking what it
+drops (holes no later query reads, packed now and then; a sliding-window model packs at once).
 
 Rows never leak into each other: each row draws from its own generator (seed + its index in the request), and a
 decode.policies policy is copied per row (decode.batch_control.PerRow: each copy keeps its row's state); a head's

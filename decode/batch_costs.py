@@ -4,9 +4,11 @@
 
 Timed on the decoder's own caches (decode.rowcache.RowCache: masks, position ids, realignment) over b copies of a
 prompt of the request's typical length: a draft step (one token per row), the target verifying n tokens per row
-for n = 1 .. max_len + 1, and the realignment a speculative round ends with (both caches, rows cut back by different
-amounts). Medians over repeats, the cells in a seeded shuffled order so slow spells of the machine fall on all
-alike. Between measured sizes the costs are interpolated linearly (rows leave a batch as they finish).
+for n = 1 .. max_len + 1, and the rollback a speculative round ends with (both caches, rows cut back by 0..3
+tokens). Where rollbacks leave holes (decode.rowcache), the packing they call for now and then is priced per
+round as its measured time times the share of the slack that such a rollback's holes use up. Medians over repeats,
+the cells in a seeded shuffled order so slow spells of the machine fall on all alike. Between measured sizes the
+costs are interpolated linearly (rows leave a batch as they finish).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import torch
 
 from decode.costs import clock
 from decode.pair import Pair
-from decode.rowcache import RowCache
+from decode.rowcache import SLACK, RowCache
 
 
 @dataclass
 class BatchCosts:
     """ms at each batch size in sizes: draft_ms[i] a draft step, verify_ms[i][n - 1] the target verifying n tokens per
-    row, move_ms[i] the end-of-round realignment of both caches."""
+    row, move_ms[i] the end-of-round rollback of both caches (with its share of packing)."""
 
     sizes: list[int]
     draft_ms: list[float]
@@ -53,18 +55,27 @@ class BatchCosts:
             caches = {m: RowCache(getattr(pair, m), pair, b, m, []) for m in ("draft", "target")}
             for c in caches.values():
                 c.feed([ids] * b)
-            cells = [("draft", 1)] + [("target", n) for n in range(1, max_len + 2)] + [("move", 0)]
+            cells = [("draft", 1)] + [("target", n) for n in range(1, max_len + 2)] + [("move", 0), ("pack", 0)]
             cells = cells * repeats
             rng.shuffle(cells)
             times: dict = {}
-            for i, (name, n) in enumerate([("draft", 1), ("target", 1)] + cells):  # the first two warm up
-                t0 = now()
-                if name == "move":  # rows keep prefix - (0..3) tokens: each moves by its own amount
+            cut = torch.tensor([prefix - (r % 4) for r in range(b)])  # rows keep prefix - (0..3) tokens
+            warm = [("draft", 1), ("target", 1), ("pack", 0)]  # a first pack also allocates the buffers packs reuse
+            for i, (name, n) in enumerate(warm + cells):
+                if name == "pack":  # the packing of the holes such a rollback leaves (none: nothing to time)
                     for c in caches.values():
-                        c.keep(torch.tensor([prefix - (r % 4) for r in range(b)]))
+                        c.keep(cut)
+                t0 = now()
+                if name == "move":
+                    for c in caches.values():
+                        c.keep(cut)
+                elif name == "pack":
+                    for c in caches.values():
+                        if c.holes and b > 1:
+                            c.compact()
                 else:
                     caches[name].feed([ids[:n]] * b)
-                if i >= 2:
+                if i >= len(warm):
                     times.setdefault((name, n), []).append(1e3 * (now() - t0))
                 for c in caches.values():  # back to the prompt
                     if bool((c.length > prefix).any()):  # every row grew alike: a shorter view, no move
@@ -73,7 +84,9 @@ class BatchCosts:
                         c.feed([ids[int(x):prefix] for x in c.length])
             draft.append(statistics.median(times[("draft", 1)]))
             verify.append([statistics.median(times[("target", n)]) for n in range(1, max_len + 2)])
-            move.append(statistics.median(times[("move", 0)]))
+            # a rollback's holes widen the cache by 3 columns; packing comes once the slack is used up
+            share = 3 / max(8, SLACK * prefix) if caches["target"].holes and b > 1 else 0.0
+            move.append(statistics.median(times[("move", 0)]) + share * statistics.median(times[("pack", 0)]))
         return cls(sorted(sizes), draft, verify, move)
 
     def describe(self) -> str:

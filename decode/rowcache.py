@@ -1,17 +1,24 @@
 """A KV cache over B rows of different lengths that rolls back per row: what decode.batch decodes on.
 
-Every row's text is contiguous and ends at the cache's last column; rows are left-padded behind an attention mask,
-and each forward gets explicit per-row position ids. A forward feeds each row its own number of tokens,
-right-padded within the step: causal attention keeps a row's real tokens from reading the filler after them. After
-the forward (and after verification) each row is cut back to the text it keeps by moving its cache right and
-widening its left padding, so the rows stay right-aligned. So the physical distance between two real tokens is
-their distance in the text, which is what sliding-window masks measure, and rejected positions never stay behind a
-mask (the scheme that corrupts rows at larger batch sizes).
+Rows are left-padded behind an attention mask, and each forward gets explicit per-row position ids (a row's
+positions count its own kept tokens). A forward feeds each row its own number of tokens, right-padded within the
+step: causal attention keeps a row's real tokens from reading the filler after them.
+
+Rolling back a row (keep) masks the columns it drops. Where every layer attends over the whole cache, a masked
+column is a hole that no later query reads (its key's weight is exactly zero and the positions skip it), so a
+round's rollback moves nothing. Rejected positions are never read behind a mask, which is what corrupts rows in the
+scheme that leaves them in place without their own position ids. Holes cost attention width, so once they make
+the cache a quarter wider than its longest row (SLACK), one move (compact) packs every row right-aligned again.
+Where a layer attends over a sliding window, masks measure the window in columns, so holes would stretch it: such
+models compact on every rollback that leaves a hole, keeping each row's text contiguous, as the window needs.
+
+Where the moves cost (2 threads, the embedded pair, greedy, fixed K = 1, 32 new tokens): realigning every round
+took 14% of the wall at batch 8 and 25% at batch 32.
 
 Storage: GrowingLayers (decode.kvcache), so a forward writes its new columns in place instead of copying the
-cache by torch.cat. A realignment is one index_select per layer over whole (D,) key and value vectors, written
-into a fresh buffer with room to grow: here at batch 32 that was 3x faster than a gather with an index per
-element, and it replaces the copy that the next append would make anyway.
+cache by torch.cat. A move is one index_select per layer over whole (D,) key and value vectors, written into a
+buffer with room to grow: here at batch 32 that was 3x faster than a gather with an index per element, and it
+replaces the copy that the next append would make anyway.
 """
 
 from __future__ import annotations
@@ -21,53 +28,59 @@ import torch
 from decode.kvcache import forward, new_cache
 from decode.pair import Pair, input_device
 
-ROOM = 64  # columns of spare room a realigned buffer keeps, so the next rounds append in place
+ROOM = 64  # columns of spare room a moved buffer keeps, so the next rounds append in place
+SLACK = 0.25  # holes may make the cache this much wider than its longest row before compact() packs it
+WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window")  # config fields that name an attention window
+
+
+def windowed(config) -> bool:
+    """Does any layer of this model config attend over a sliding window (measured in cache columns)? A config
+    whose layer_types are all full attention does not, whatever window size it also carries (Qwen2's default)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return any(t != "full_attention" for t in types)
+    return any(getattr(config, name, None) for name in WINDOW_FIELDS)
 
 
 class RowCache:
-    """One model's KV cache over B rows, right-aligned: row b's tokens fill the last columns, the first pad[b] columns
-    are padding (masked). Rows that hold filler after a feed hold it at the end, until keep() cuts it."""
+    """One model's KV cache over B rows: valid[b] marks the columns that hold row b's kept text (in order), the rest
+    are left padding, holes (rolled back) or filler, all masked."""
 
     def __init__(self, model, pair: Pair, rows: int, name: str, calls: list, hidden: bool = False):
         self.model, self.pair, self.name, self.calls, self.hidden = model, pair, name, calls, hidden
         self.cache, self.device = new_cache(), input_device(model)
-        self.pad = torch.zeros(rows, dtype=torch.long)
-        self.width = 0
+        self.holes = not windowed(model.config)
+        self.valid = torch.zeros(rows, 0, dtype=torch.bool)
+        self.length = torch.zeros(rows, dtype=torch.long)  # (B,) tokens each row holds
         self.peak_bytes = 0  # the largest its key and value buffers grew (decode.evaluation.batch reports it)
 
     @property
-    def length(self) -> torch.Tensor:
-        """(B,) tokens each row holds."""
-        return self.width - self.pad
-
-    def mask(self, extra: int) -> torch.Tensor:
-        """(B, width + extra) attention mask: 0 on each row's left padding."""
-        cols = torch.arange(self.width + extra)
-        return (cols[None, :] >= self.pad[:, None]).long().to(self.device)
+    def width(self) -> int:
+        return self.valid.shape[1]
 
     @torch.no_grad()
     def feed(self, chunks: list[list[int]], trim: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row b's tokens chunks[b] (a prefill's may be empty) -> (B, M, V) float32 logits and (B, M, H) hidden states
-        (None unless hidden), M the longest chunk: row b's are at [:len(chunks[b])], the rest is filler, cut here
-        unless trim is False (the caller's keep() cuts it with what verification rejects: one move, not two)."""
+        (None unless hidden), M the longest chunk: row b's are at [:len(chunks[b])], the rest is filler, masked at
+        once. trim False: the caller's keep() follows (so a model that must stay contiguous moves once, not twice)."""
         sizes = torch.tensor([len(c) for c in chunks])
         m = int(sizes.max())
         ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
-        before = self.length
-        logits, state = self._forward(ids, before[:, None] + torch.arange(m)[None, :])
+        pos = self.length[:, None] + torch.arange(m)[None, :]
+        new = torch.arange(m)[None, :] < sizes[:, None]
+        logits, state = self._forward(ids, pos, torch.cat([self.valid, torch.ones_like(new)], 1))
+        self.valid, self.length = torch.cat([self.valid, new], 1), self.length + sizes
         if trim and bool((sizes < m).any()):
-            self.keep(before + sizes)
+            self.settle()
         return logits, state
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, m) ids at (B, m) positions, appended after the cache's columns -> the float32 logits and the hidden
-        states (None unless hidden) of the positions the output layer ran on; the width, calls and peak follow."""
-        m = ids.shape[1]
-        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=self.mask(m),
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kwargs):
+        """(B, m) ids at (B, m) positions, appended after the cache's columns, under the (B, width + m) mask -> the
+        float32 logits and the hidden states (None unless hidden) of the positions the output layer ran on."""
+        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=mask.long().to(self.device),
                       position_ids=pos.to(self.device), **kwargs)
         out, state = out if self.hidden else (out, None)
-        self.width += m
-        self.calls.append((self.name, m))
+        self.calls.append((self.name, ids.shape[1]))
         self.peak_bytes = max(self.peak_bytes, self.bytes())
         return self.pair.logits(out.logits), state
 
@@ -75,14 +88,17 @@ class RowCache:
     def prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """An empty cache reads B prompts (any lengths >= 1) -> (B, V) float32 logits and (B, H) hidden states (None
         unless hidden) after each prompt's last token. The prompts are left-padded behind the mask, so every row ends
-        at the last column: the output layer runs on that column alone (logits_to_keep), and no realignment follows."""
+        at the last column: the output layer runs on that column alone (logits_to_keep)."""
         if self.width:
             raise ValueError(f"prefill() reads prompts into an empty cache; this {self.name} cache holds {self.width}")
         sizes = torch.tensor([len(p) for p in prompts])
         m = int(sizes.max())
-        self.pad = m - sizes
+        pad = m - sizes
         ids = torch.tensor([[p[0]] * (m - len(p)) + p for p in prompts], device=self.device)
-        logits, state = self._forward(ids, (torch.arange(m)[None, :] - self.pad[:, None]).clamp_min(0), logits_to_keep=1)
+        valid = torch.arange(m)[None, :] >= pad[:, None]
+        logits, state = self._forward(ids, (torch.arange(m)[None, :] - pad[:, None]).clamp_min(0), valid,
+                                      logits_to_keep=1)
+        self.valid, self.length = valid, sizes
         return logits[:, -1], None if state is None else state[:, -1]
 
     def _layers(self):
@@ -95,23 +111,40 @@ class RowCache:
                    for b in (*layer.buffers, *getattr(layer, "spare", ())))  # views of rows of the storage it had
 
     def keep(self, lengths: torch.Tensor) -> None:
-        """Cut row b back to its first lengths[b] tokens (at most what it holds): its cache moves right by what it
-        drops beyond the row that drops least, and columns that every row pads are cut from the left."""
-        drop = self.length - lengths
-        if bool((drop < 0).any()):
-            raise ValueError(f"a row cannot keep more tokens than its cache holds: {lengths.tolist()}")
-        if not bool(drop.any()):  # nothing to cut (a plain step fed one token a row): some column is real in every row
-            return
-        shift, width = drop - drop.min(), self.width - int(drop.min())
-        left = int((width - lengths).min())  # columns that are padding in every row
-        if left or bool(shift.any()):
-            cols = (torch.arange(left, width)[None, :] - shift[:, None]).clamp_min(0)
-            self._move(cols)
-        else:  # every row drops the same tail: shorter views of the same buffers
+        """Cut row b back to its first lengths[b] tokens (at most what it holds): the columns it drops are masked,
+        columns no row holds are cut from the end, and settle() packs the rows if the holes call for it."""
+        if bool((lengths > self.length).any()):
+            raise ValueError(f"a row cannot keep more tokens than its cache holds: {lengths.tolist()} of "
+                             f"{self.length.tolist()}")
+        if bool((lengths < self.length).any()):
+            self.valid = self.valid & (self.valid.cumsum(1) <= lengths[:, None])
+            self.length = lengths.clone()
+        self.settle()
+
+    def settle(self) -> None:
+        """Cut the columns past every row's last token (shorter views, no copy); then compact() if a windowed model
+        holds a hole, or if padding and holes make the cache wider than its longest row by more than SLACK."""
+        used = self.valid.any(0).nonzero()
+        end = int(used[-1]) + 1 if len(used) else 0
+        if end < self.width:
+            self.valid = self.valid[:, :end]
             for layer in self._layers():
-                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
-        self.width = width - left
-        self.pad = self.width - lengths
+                layer.keys, layer.values = layer.keys[:, :, :end], layer.values[:, :, :end]
+        longest = int(self.length.max()) if len(self.length) else 0
+        waste = self.width - longest
+        if self.holes:
+            if waste > max(8, SLACK * longest):
+                self.compact()
+        elif 2 * waste >= self.width > 0 or not bool((self.valid.flip(1).cumprod(1).sum(1) == self.length).all()):
+            self.compact()  # padding half the width, or a hole: some row's text is not its last columns
+
+    def compact(self) -> None:
+        """Pack every row's text into the last columns, in order, and drop the columns that are padding in every row."""
+        width, longest = self.width, int(self.length.max())
+        key = torch.where(self.valid, torch.arange(width)[None, :], -1)
+        cols = key.sort(1).values[:, width - longest:].clamp_min(0)  # each row's columns, left-padded with column 0
+        self._move(cols)
+        self.valid = torch.arange(longest)[None, :] >= (longest - self.length)[:, None]
 
     def _move(self, cols: torch.Tensor) -> None:
         """New column j of row b is old column cols[b, j]: one index_select of (D,) vectors per buffer, into buffers
@@ -150,10 +183,9 @@ class RowCache:
                 layer.buffers = tuple(torch.index_select(x, 0, r, out=y.view(shape))
                                       for x, y in zip(layer.buffers, _spare(layer, m * layer.buffers[0][0].numel())))
             layer.keys, layer.values = (x[:, :, :self.width] for x in layer.buffers)
-        self.pad = self.pad.index_select(0, rows)
-        left = int(self.pad.min()) if m else 0
-        if 2 * left >= self.width > 0:  # padding in every row: cut it once it is half the width (a move copies all)
-            self.keep(self.length)
+        self.valid, self.length = self.valid.index_select(0, rows), self.length.index_select(0, rows)
+        if m:
+            self.settle()
 
 
 def compaction(n: int, gone: list[int]) -> list[int]:

@@ -182,30 +182,6 @@ def test_a_batch_that_never_drafts_does_the_target_alones_forwards(arch_pairs):
     assert [c for c in plain.stats.calls if c[0] == "target"] == alone.stats.calls and plain.stats.draft_calls == 0
 
 
-def test_rows_leaving_move_only_the_rows_that_fill_their_places(tiny_pair):
-    """compaction()'s order: rows below the new size stay, the tail fills the places that rows leaving free; the
-    cache then copies those rows alone, into the same buffers, and every row goes on as a fresh cache of its text."""
-    from decode.rowcache import RowCache, compaction
-
-    assert compaction(7, [1, 4, 6]) == [0, 5, 2, 3] and compaction(3, [2]) == [0, 1] and compaction(2, [0, 1]) == []
-    texts = [[1 + (i * 5 + j) % 30 for j in range(3 + i)] for i in range(7)]
-    cache = RowCache(tiny_pair.target, tiny_pair, 7, "target", [])
-    cache.prefill(texts)
-    cache.feed([[2 + i] for i in range(7)])
-    order = compaction(7, [1, 4, 6])
-    layer = cache._layers()[0]
-    ptr, rows = layer.buffers[0].data_ptr(), layer.keys[order].clone()
-    cache.select(torch.tensor(order))
-    assert layer.buffers[0].data_ptr() == ptr and torch.equal(layer.keys, rows)  # in place, each row its own
-    logits = cache.feed([[9] for _ in order])[0][:, 0]
-    fresh = RowCache(tiny_pair.target, tiny_pair, 4, "target", [])
-    want = fresh.prefill([texts[r] + [2 + r, 9] for r in order])[0]
-    assert torch.allclose(logits, want, atol=1e-5)
-    cache.select(torch.tensor([2, 0]))  # any other order: a full reorder, as correct
-    assert torch.allclose(cache.feed([[3], [3]])[0][:, 0],
-                          fresh.feed([[3]] * 4)[0][[2, 0], 0], atol=1e-5)
-
-
 def test_batch_size_table_and_cost_interpolation():
     table = BatchSizeK({1: 4, 8: 2, 64: 0})
     assert [table.begin(b) for b in (1, 7, 8, 63, 64, 256)] == [4, 4, 2, 2, 0, 0]
