@@ -82,7 +82,7 @@ class BatchDecoder:
         while rows:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(out[r]), ctx - len(committed[r]) - 2)) for r in rows]
-            k_max = min(ctl.begin(len(rows)), max(limits))
+            k_max = min(ctl.begin(len(rows), limits), max(limits))
             tokens, q, read = self._draft(draft, rows, committed, pending, gens, limits, k_max, stats)
             logits = self._verify_logits(target, rows, pending, tokens, first, stats)
             first = None

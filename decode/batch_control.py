@@ -25,6 +25,8 @@ import torch
 
 from decode.batch_costs import BatchCosts
 from decode.policies import DraftStep, HeadPolicy, Policy, check_max_len, draft_scalars
+from decode.sampling import as_numpy
+from heads import kernels
 
 
 @dataclass
@@ -53,8 +55,17 @@ class RowsStep:
         return step
 
     def head_probs(self, head: HeadPolicy, runs: list[int]) -> np.ndarray:
-        """(R,) the head's probabilities, one forward over the rows; runs: each row's accepted run before the round."""
+        """(R,) the head's probabilities, one forward over the rows; runs: each row's accepted run before the round.
+        On the CPU, up to kernels.ROWS_MAX rows, the draft's scalars and the head are one compiled call."""
         hidden = self.hidden_own if head.features.position == "own" else self.hidden_prev
+        params = getattr(head.fast_prob, "params", None)
+        if (params is not None and head.features.extras and len(self.rows) <= kernels.ROWS_MAX
+                and self.logits.device.type == "cpu" and hidden.device.type == "cpu" and "scalars" not in vars(self)):
+            out = kernels.head_rows(as_numpy(self.logits) if head._reads else None, np.asarray(self.tokens),
+                                    as_numpy(hidden), np.asarray(runs) + self.index, head._codes, params)
+            if head._reads:
+                vars(self)["scalars"] = (out[1], out[2], out[3])  # a per-row policy reading them does not pay again
+            return out[0]
         confidence, entropy, top1 = self.scalars if head.features.extras else (None,) * 3
         return head.probs(hidden, entropy, top1, confidence, np.asarray(runs) + self.index)
 
@@ -77,8 +88,9 @@ class BatchControl:
     def start(self, n: int) -> None:
         """A request of n rows begins."""
 
-    def begin(self, b: int) -> int:
-        """b rows decode this round -> the most candidates any row drafts (0: no drafting, a plain target step)."""
+    def begin(self, b: int, remaining: list[int] | None = None) -> int:
+        """b rows decode this round, row i able to emit remaining[i] more tokens -> the most candidates any row drafts
+        (0: no drafting, a plain target step)."""
         raise NotImplementedError
 
     def decide(self, step: RowsStep) -> list[bool]:
@@ -110,7 +122,7 @@ class PerRow(BatchControl):
         for p in self.rows:
             p.start()
 
-    def begin(self, b):
+    def begin(self, b, remaining=None):
         for p in self.rows:
             p.reset()
         return self.policy.max_len
@@ -138,29 +150,60 @@ class BatchSizeK(BatchControl):
             raise ValueError(f"BatchSizeK needs {{batch size >= 1: K in 0..64}}, got {table}")
         self.table = dict(sorted((int(b), int(k)) for b, k in table.items()))
 
-    def begin(self, b):
+    def begin(self, b, remaining=None):
         sizes = [s for s in self.table if s <= b] or [min(self.table)]
         return self.table[sizes[-1]]
 
 
-PRIOR_ROUNDS = 8.0  # the prior weighs as much as 8 rows' rounds: one row's first round cannot turn drafting off
+PRIOR_ROUNDS = 2.0  # a prior weighs as much as 2 drafted rounds at a batch size: one request's rounds outweigh it
+FACTOR_ROUNDS = 8.0  # a cost factor starts at 1 with the weight of 8 rounds' predicted cost
+LOOKAHEAD = 3  # a decision weighs up to 3 more candidates: each further one's survival only falls
+RECHECK_ROUNDS = 32  # a drafting stretch is stopped on its size's realized progress once it has this many rounds
+
+
+def expected_max(reach: np.ndarray, surv: np.ndarray) -> np.ndarray:
+    """E[max over rows of reach_i - y_i]: row i's tokens this round y_i = 1 + its accepted candidates, with
+    P(y_i > m) = surv[..., i, m] (surv[..., 0] = 1, non-increasing), the rows independent.
+    (R,) reach, (..., R, M) surv -> (...) expectations, one per leading index (e.g. per hypothesis)."""
+    if len(reach) == 1:
+        return reach[0] - surv[..., 0, :].sum(-1)
+    m = surv.shape[-1]
+    z = np.arange(int(reach.min()) - m, int(reach.max()))  # every value reach_i - y_i can take
+    need = np.clip(reach[:, None] - z[None, :], 1, m + 1).astype(np.int64) - 1  # Z_i <= z <=> y_i >= need
+    padded = np.concatenate([surv, np.zeros(surv.shape[:-1] + (1,))], -1)  # P(y_i > m) = 0
+    cdf = np.take_along_axis(padded, np.broadcast_to(need, surv.shape[:-2] + need.shape), -1)
+    below = cdf.prod(-2)  # (..., Z) P(max <= z)
+    return z[-1] - below[..., :-1].sum(-1)
 
 
 class BatchCostAware(HeadPolicy, BatchControl):
     """The batch-aware cost-aware controller: CostAwareStop's renewal-reward rule with the batch as the unit.
 
-    A round with K candidates per row costs C_K = K * draft(b) + verify(b, K + 1) + realign(b) at batch size b
-    (decode.batch_costs; a plain target step costs verify(b, 1)) and yields the rows' expected tokens E_K = sum over
-    rows of 1 + S_1 + ... + S_K, S_j the row's survival (the product of the head's probabilities). After each
-    candidate the batch drafts on while some j more candidates would raise E - r * C, each row's further acceptances
-    estimated by its last probability, r the long-run rate of the rounds so far. Before a round it drafts only if
-    drafting has paid: the tokens per row its drafted rounds yielded, over their cost at today's batch size (mean
-    candidates per row), beat a plain target step. Realized yield, not the head's probabilities: these are of single
-    candidates, agreement comes in runs, and rounds end where the head expects a rejection. Before any round the
-    acceptance rate of the head's dev labels stands in, as geometric rounds of the best K. Both sides of that test are
-    priced by the tables times what the rounds of that kind measured against them (factor): the tables time forwards
-    and realignment, not the rows' bookkeeping, filler or rows leaving the batch. The yield and the factors carry over
-    from one request to the next (forget() drops them), as a server calibrates once.
+    A static batch ends when its last row does, so what a round buys is progress: how much it brings down the most
+    tokens any row may still emit (its remaining budget). A plain target step brings every row one token on: its
+    progress is 1. Drafting brings rows on by different amounts, and the batch waits for the row furthest behind:
+    at batch 8 on the embedded pair, fixed K = 1 to 3 gave 1.8 to 2.7 tokens per row and round but cut the batch's
+    rounds only 1.6x to 2.1x. With one row, progress is that row's tokens.
+
+    Whether to draft is chosen per stretch: at a request's first round and whenever rows leaving move the batch to
+    another measured size (decode.batch_costs). It drafts if the progress per ms that its drafting stretches at this
+    size realized (the tables' cost of their rounds times what those rounds measured against them, the draft's
+    catch-up reads included) beats a plain step's 1 over its cost.
+    Stretches, not single rounds: a round from rows level with each other makes little progress (the slowest of
+    them sets it), and the rounds after it gain what it spread; the draft's first round reads all the text since it
+    last drafted. Where this size has no drafting stretch yet, the nearest smaller size's progress per round and
+    candidates stand in, priced by the tables here times the measured-over-predicted cost of its rounds (a larger
+    batch waits on its slowest row at least as long, and its verify costs no less against a plain step); where a
+    smaller size chose not to draft, this one does not either; before any, the head's dev acceptance rate as geometric rounds
+    of the K that pays best. A plain step's cost is the table's times what plain rounds measured against it. A
+    drafting stretch stops early where even every candidate accepted could not have paid for its rounds, or once its
+    size has RECHECK_ROUNDS drafted rounds and their progress per ms is below a plain step's.
+
+    Within a drafting round, after each candidate the batch drafts on while some j more candidates would raise
+    E[progress] - r * C: C_K = K * draft(b) + verify(b, K + 1) + realign(b) from the tables, the rows' tokens from the
+    head's probabilities (a row's survival the product of its probabilities, further candidates at its last one), r
+    the expected progress per ms of this request's rounds. What it learns carries over from one request to the next
+    (forget() drops it), as a server calibrates once.
     """
 
     needs_batch_costs = True
@@ -172,21 +215,28 @@ class BatchCostAware(HeadPolicy, BatchControl):
         # The prior of the acceptance rate: the head's dev labels' rate (export writes it); see PRIOR_ROUNDS.
         self.prior = (self.config.get("metrics") or {}).get("positive_rate")
         self.forget()
+        params = getattr(self.fast_prob, "params", None)
+        if params is not None and self.features.extras:  # compiled (or loaded from numba's cache) before decoding
+            hidden = np.zeros((1, len(params[0]) - len(self._codes)), dtype=np.float32)
+            logits = np.zeros((1, 8), dtype=np.float32) if self._reads else None
+            kernels.head_rows(logits, np.zeros(1, dtype=np.int64), hidden, np.zeros(1, dtype=np.int64), self._codes, params)
 
     def set_batch_costs(self, costs: BatchCosts) -> None:
         self.costs, self._priced = costs, {}
 
     def forget(self) -> None:
-        """Drop what earlier requests taught: the realized yield of drafted rounds and the measured-over-predicted
-        factors. A controller that serves one request after another keeps them (start() does not reset them), as
-        a server calibrates once: otherwise every request pays again for learning that drafting does not pay."""
-        self.row_rounds = self.gained = self.drafted = 0.0
-        self.measured: dict[tuple[int, bool], float] = {}  # by (the table's nearest batch size, drafted)
-        self.predicted: dict[tuple[int, bool], float] = {}
+        """Drop what earlier requests taught: the drafting stretches per batch size and the plain steps' cost
+        factors. A controller that serves one request after another keeps them (start() does not), as a server
+        calibrates once: otherwise every request pays again to learn that drafting does not pay."""
+        self.stretches: dict[int, np.ndarray] = {}  # measured size -> [rounds, progress, candidates, ms, predicted ms]
+        self.plain_ms: dict[int, np.ndarray] = {}  # measured size -> [ms, predicted ms] of plain steps
+        self.declined: set[int] = set()  # sizes whose last stretch decision was not to draft
+        self.open = None
 
     def start(self, n):
         self.run_rows = np.zeros(n, dtype=np.int64)
-        self.tokens = self.spent = 0.0  # the long-run rate of this request's rounds (decide's r)
+        self.progress = self.spent = 0.0  # this request's expected progress and predicted cost so far (decide's r)
+        self.open, self.mode, self.done = None, None, False  # the round in flight; (size, drafting) of the stretch
 
     def round_costs(self, b: int) -> list[float]:
         """C_0 .. C_max_len at batch size b: C_0 a plain target step, C_k a round of k candidates per row."""
@@ -195,9 +245,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
         return [verify[0]] + [k * d + verify[k] + move + own for k in range(1, self.max_len + 1)]
 
     def priced(self, b: int) -> tuple[list[float], np.ndarray, tuple[float, float] | None, int]:
-        """At batch size b, once per size (a round's work at batch 1 is a few hundred microseconds): C_0 .. C_max_len
-        as a list and an array, the prior's (K, tokens per row-round) for the K that pays best at its rate, and the
-        measured size nearest b (whose factor() prices it)."""
+        """At batch size b, once per size: C_0 .. C_max_len as a list and an array, the head prior's (K, tokens per
+        round) for the K that pays best at its rate, and the measured size nearest b (whose stretches price it)."""
         if b not in self._priced:
             c, prior = self.round_costs(b), None
             if self.prior is not None:
@@ -208,63 +257,119 @@ class BatchCostAware(HeadPolicy, BatchControl):
             self._priced[b] = (c, np.array(c), prior, nearest)
         return self._priced[b]
 
-    def begin(self, b):
+    def cost_at(self, mean_k: float) -> float:
+        """This size's table cost of a round of mean_k candidates per row (linear between whole K)."""
+        lo = min(int(mean_k), self.max_len)
+        return self.c[lo] + (mean_k - lo) * (self.c[min(lo + 1, self.max_len)] - self.c[lo])
+
+    def drafting_rate(self, prior) -> tuple[float | None, float, float]:
+        """Progress per ms of drafting at this size: its stretches, with PRIOR_ROUNDS of the nearest smaller size's
+        (or of the head's prior), None where nothing is known; the rounds this size measured; and the most progress
+        per ms those rounds could have made (each row taking every candidate)."""
+        got = self.stretches.get(self.bucket, np.zeros(5))
+        below = [s for s, r in self.stretches.items() if s < self.bucket and r[0]]
+        if not got[0] and any(s < self.bucket for s in self.declined):
+            return 0.0, 0.0, np.inf  # drafting did not pay at a smaller size: it will not pay here either
+        guess = None
+        if below:
+            r = self.stretches[max(below)]
+            guess = (r[1] / r[0], self.cost_at(r[2] / r[0]) * self.factor(r))
+        elif prior is not None:
+            guess = (prior[1], self.c[prior[0]])
+        rounds, progress, ms = got[0], got[1], got[4] * self.factor(got)
+        bound = (rounds + got[2]) / ms if ms else np.inf
+        if guess is not None:
+            rounds, progress, ms = rounds + PRIOR_ROUNDS, progress + PRIOR_ROUNDS * guess[0], ms + PRIOR_ROUNDS * guess[1]
+        return (progress / ms if rounds else None), got[0], bound
+
+    def factor(self, stats: np.ndarray) -> float:
+        """Measured over predicted time of rounds (stats[-2:]: their ms and the tables' ms), starting at 1 with the
+        weight of FACTOR_ROUNDS rounds of C_1: what the tables do not price (the rows' Python work, filler, rows
+        leaving, the draft's catch-up reads), which grows with the rows, so one size's is not another's."""
+        c = FACTOR_ROUNDS * self.c[1]
+        return (stats[-2] + c) / (stats[-1] + c)
+
+    def begin(self, b, remaining=None):
         if self.costs is None:
             raise ValueError("BatchCostAware has no cost tables: decode with decode.batch.BatchDecoder, which "
                              "measures them, or call set_batch_costs")
+        self.reach = np.zeros(b) if remaining is None else np.asarray(remaining, dtype=np.float64)
+        self.reach_int = self.reach.astype(np.int64)
+        most = float(self.reach.max())
+        self._close(most)
         self.b, self.k = b, 0
-        c, self.c_array, prior, self.bucket = self.priced(b)
-        self.c = c
-        self.survive, self.expected = np.ones(b), float(b)
-        n, gain, cands = self.row_rounds, self.gained, self.drafted
-        if prior is not None:  # the prior as PRIOR_ROUNDS row-rounds of the best fixed K at its rate
-            n, gain, cands = n + PRIOR_ROUNDS, gain + PRIOR_ROUNDS * prior[1], cands + PRIOR_ROUNDS * prior[0]
-        if not n:  # nothing known of the acceptance: draft, to learn it
-            return self.max_len
-        mean_k = cands / n
-        lo = int(mean_k)
-        cost = c[lo] + (mean_k - lo) * (c[min(lo + 1, self.max_len)] - c[lo])
-        return self.max_len if b * gain / n / (cost * self.factor(True)) > b / (c[0] * self.factor(False)) else 0
+        self.c, self.c_array, prior, self.bucket = self.priced(b)
+        rate, measured, bound = self.drafting_rate(prior)
+        plain = 1.0 / (self.c[0] * self.factor(self.plain_ms.get(self.bucket, np.zeros(2))))  # progress 1 per ms
+        if self.mode is None or self.mode[0] != self.bucket:  # a new stretch: draft or not
+            self.mode = (self.bucket, rate is None or rate > plain)
+        elif self.mode[1] and (bound < plain or measured >= RECHECK_ROUNDS and rate < plain):
+            self.mode = (self.bucket, False)  # drafting here cannot pay, or has not over enough rounds
+        (self.declined.discard if self.mode[1] else self.declined.add)(self.bucket)
+        self.open = (self.bucket, self.mode[1], most, 0)
+        self.surv = np.zeros((b, self.max_len + 1))
+        self.surv[:, 0] = 1.0
+        self.expected = 1.0  # the round's expected progress as decided so far (a plain step's: 1)
+        return self.max_len if self.mode[1] else 0
 
-    def factor(self, drafted: bool) -> float:
-        """Measured over predicted time of the rounds of this kind so far (drafted or plain) at batch sizes nearest
-        the same measured one, starting at 1 with the weight of PRIOR_ROUNDS rounds: what the tables do not price (the
-        rows' Python work, filler, rows leaving), which grows with the rows, so one size's factor is not another's."""
-        c, key = PRIOR_ROUNDS * self.c[1], (self.bucket, drafted)
-        return (self.measured.get(key, 0.0) + c) / (self.predicted.get(key, 0.0) + c)
+    def _close(self, most: float) -> None:
+        """The round in flight is over and the rows' most remaining is now `most`: a drafting round's progress joins
+        its size's stretches (capped at its candidates + 1: a row ending early at EOS is not the round's doing)."""
+        if self.open is not None and self.open[1]:
+            size, _, before, k = self.open
+            self.stretches.setdefault(size, np.zeros(5))[:3] += (1.0, min(before - most, k + 1), k)
+        self.open = None
 
     def timed(self, ms):
-        # Every drafted round joins its factor, the first too: it reads the prompts into the draft, as a drafted
-        # round after plain steps reads the text they added, and a request that drafts pays for those reads
-        drafted = self.k > 0
-        key = (self.bucket, drafted)
-        self.measured[key] = self.measured.get(key, 0.0) + ms
-        self.predicted[key] = self.predicted.get(key, 0.0) + self.c[self.k]
+        size, drafting = self.open[0], self.open[1]
+        if drafting:
+            self.stretches.setdefault(size, np.zeros(5))[3:] += (ms, self.c[self.k])
+        else:
+            self.plain_ms.setdefault(size, np.zeros(2))[:] += (ms, self.c[0])
+        if self.done:  # the request is over: its last round brought the most remaining to 0
+            self._close(0.0)
 
     def decide(self, step):
         a = step.head_probs(self, self.run_rows[step.rows].tolist())
         self.k = k = step.index + 1
-        self.survive[step.rows] *= a
-        self.expected += float(self.survive[step.rows].sum())
-        rate = self.tokens / self.spent if self.spent else self.expected / self.c[k]
-        # gain[j] over the rows: the expected tokens of j more candidates, S_k * (a + a^2 + ... + a^j)
-        more = np.power.outer(a, np.arange(1, self.max_len - k + 1))
-        gain = np.cumsum(self.survive[step.rows] @ more)
-        go = bool((gain > rate * (self.c_array[k + 1:] - self.c[k])).any())
-        return [go] * len(step.rows)
+        rows, most = step.rows, float(self.reach.max())
+        self.surv[rows, k] = self.surv[rows, k - 1] * a
+        later = min(self.max_len - k, LOOKAHEAD)
+        if kernels.HAVE_NUMBA and self.b <= kernels.ROWS_MAX:
+            deciding, last = np.zeros(self.b, dtype=bool), np.zeros(self.b)
+            deciding[rows], last[rows] = True, a
+            progress = kernels.round_progress(self.reach_int, self.surv, deciding, last, k, later)
+        else:
+            progress = self._progress(rows, a, k, later, most)
+        self.expected = float(progress[0])
+        rate = self.progress / self.spent if self.spent else progress[0] / self.c[k]
+        go = bool((progress[1:] - progress[0] > rate * (self.c_array[k + 1:k + later + 1] - self.c[k])).any())
+        return [go] * len(rows)
+
+    def _progress(self, rows, a, k: int, later: int, most: float) -> np.ndarray:
+        """kernels.round_progress in numpy (many rows, or no numba): the round's expected progress if it stops after
+        j = 0 .. later more candidates, each further candidate of a deciding row surviving at its last probability.
+        Rows too far behind the most remaining to set it this round (even taking every candidate) are left out."""
+        near = self.reach > most - k - later - 2
+        reach, rows_at = self.reach[near], np.asarray(rows)
+        hyp = np.repeat(self.surv[near][None, :, :k + later + 1], later + 1, 0)
+        sub = np.flatnonzero(near[rows_at])  # the deciding rows among the near ones
+        at = np.cumsum(near)[rows_at[sub]] - 1
+        grow = np.power.outer(a[sub], np.arange(1, later + 1)) * self.surv[rows_at[sub], k][:, None]
+        for j in range(1, later + 1):
+            hyp[j][at, k + 1:k + j + 1] = grow[:, :j]
+        return most - expected_max(reach, hyp)
 
     def verified(self, accepted, drafted):
-        self.tokens += self.expected
+        self.progress += self.expected
         self.spent += self.c[self.k]
-        if self.k:  # a drafted round: its tokens per row and candidates per row join the rate of drafting
-            self.row_rounds += len(accepted)
-            self.gained += sum(accepted) + len(accepted)
-            self.drafted += sum(drafted)
+        self.open = (*self.open[:3], self.k)
         for i, (a, d) in enumerate(zip(accepted, drafted)):  # HeadPolicy.verified's run, per row
             self.run_rows[i] = 0 if a < d else self.run_rows[i] + d + 1
 
     def select(self, stay):
         self.run_rows = self.run_rows[stay]
+        self.done = not stay
 
 
 def control_of(policy: Policy | BatchControl) -> BatchControl:

@@ -9,9 +9,14 @@ functions do the same work with no temporaries:
     softmax_scalars(logits, token)       (V,) raw logits -> (confidence, entropy, top-1) of their softmax
     softmax_scalars_rows(logits, tokens) (R, V) and (R,) -> (3, R), the same per row
     mlp_prob(hidden, extras, params)     (H,) state and (E,) extras -> the head's calibrated probability
-Batches keep the numpy head (AcceptanceHead.inference_fn on (R, D)), whose BLAS matmul wins once there are rows to
-amortise a call over, and decode.policies.draft_scalars runs softmax_scalars_rows (as fast as its numpy twin at 64
-rows); tests hold every compiled path equal to its numpy twin. Without numba installed (HAVE_NUMBA False) callers
+    head_rows(logits, tokens, hidden, runs, codes, params)   head_step over R rows -> (4, R)
+    round_progress(reach, surv, deciding, a, k, later)       decode.batch_control's expected progress of a round
+                                                           stopping after j = 0 .. later more candidates
+A batch controller decides after every draft step too, and its numpy path (about 60 array ops) took 340 us a
+decision in the loop at batch 8, 3-5% of a round; small batches (up to ROWS_MAX rows) take the compiled rows paths.
+Larger ones keep the numpy head (AcceptanceHead.inference_fn on (R, D)), whose BLAS matmul wins once there are rows
+to amortise a call over, and decode.policies.draft_scalars runs softmax_scalars_rows (as fast as its numpy twin at
+64 rows); tests hold every compiled path equal to its numpy twin. Without numba installed (HAVE_NUMBA False) callers
 use the numpy paths.
 """
 
@@ -134,10 +139,49 @@ def _head_step(logits, token, hidden, run, codes, work, inv, shift, w, b, w_out,
     return _mlp_prob(hidden, extras, inv, shift, w, b, w_out, b_out), conf, ent, top1
 
 
+def _head_rows(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
+    for r in range(hidden.shape[0]):
+        out[0, r], out[1, r], out[2, r], out[3, r] = _head_step(logits[r], tokens[r], hidden[r], runs[r], codes, work,
+                                                                inv, shift, w, b, w_out, b_out)
+
+
+def _round_progress(reach, surv, deciding, a, k, later, out):
+    """out[j] = max(reach) - E[max_i reach_i - y_i] if the deciding rows draft j more candidates, each surviving at
+    a[i]; y_i = 1 + row i's accepted candidates, P(y_i > m) = surv[i, m] up to m = k, then surv[i, k] * a[i]^(m - k)
+    for deciding rows (up to k + j) and 0 past that. E[max] = z_top - sum over z < z_top of P(max <= z)."""
+    n = reach.shape[0]
+    most, least = reach[0], reach[0]
+    for i in range(n):
+        most, least = max(most, reach[i]), min(least, reach[i])
+    for j in range(later + 1):
+        e = float(most - 1)
+        for z in range(least - k - later - 1, most - 1):
+            below = 1.0
+            for i in range(n):
+                need = reach[i] - z  # max <= z needs y_i >= need, that is y_i > need - 1
+                if need <= 1:
+                    continue
+                m = need - 1
+                if m <= k:
+                    below *= surv[i, m]
+                elif deciding[i] and m <= k + j:
+                    below *= surv[i, k] * a[i] ** (m - k)
+                else:
+                    below = 0.0
+                if below == 0.0:
+                    break
+            e -= below
+        out[j] = most - e
+
+
 _exp_sums = _jit(_exp_sums) or _exp_sums
 _softmax_scalars = _jit(_softmax_scalars) or _softmax_scalars
 _mlp_prob = _jit(_mlp_prob) or _mlp_prob
-_head_step_k = _jit(_head_step)
+_head_step = _jit(_head_step) or _head_step
+_head_step_k = _head_step if HAVE_NUMBA else None
+_head_rows_k = _jit(_head_rows)
+_round_progress_k = _jit(_round_progress)
+ROWS_MAX = 32  # up to this many rows, a batch controller decides with the compiled rows paths
 _softmax_scalars_k = _softmax_scalars
 _softmax_scalars_rows_k = _jit(_softmax_scalars_rows)
 _NONE = np.zeros(0, dtype=np.float32)
@@ -176,9 +220,30 @@ def head_step(logits: np.ndarray | None, token: int, hidden: np.ndarray, run: in
     return _head_step_k(_NONE if logits is None else logits, token, hidden, run, codes, _work(v), *params)
 
 
+def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray, runs: np.ndarray, codes: np.ndarray,
+              params: tuple) -> np.ndarray:
+    """head_step over R rows: (R, V) raw logits (None: no softmax read), (R,) tokens, (R, H) states, (R,) runs ->
+    (4, R) float64 rows of probability, confidence, entropy and top-1."""
+    out = np.empty((4, hidden.shape[0]))
+    v = 0 if logits is None else logits.shape[-1]
+    _head_rows_k(np.zeros((hidden.shape[0], 0), dtype=np.float32) if logits is None else logits, tokens, hidden, runs, codes,
+                 _work(v), out, *params)
+    return out
+
+
+def round_progress(reach: np.ndarray, surv: np.ndarray, deciding: np.ndarray, a: np.ndarray, k: int,
+                   later: int) -> np.ndarray:
+    """(R,) int64 remaining budgets, (R, M) float64 survivals (columns 0..k filled), (R,) bool deciding rows and
+    (R,) float64 their last probabilities -> (later + 1,) expected progress of stopping after j more candidates."""
+    out = np.empty(later + 1)
+    _round_progress_k(reach, surv, deciding, a, k, later, out)
+    return out
+
+
 def warm(vocab_size: int) -> None:
     """Compile (or load from numba's cache) the kernels for the arrays decoding passes, so that the first draft
     step of a timed generation does not pay for it."""
     if HAVE_NUMBA:
+        round_progress(np.ones(2, dtype=np.int64), np.ones((2, 2)), np.ones(2, dtype=bool), np.ones(2), 1, 1)
         softmax_scalars(np.zeros(vocab_size, dtype=np.float32), 0)
         softmax_scalars_rows(np.zeros((1, vocab_size), dtype=np.float32), np.zeros(1, dtype=np.int64))

@@ -4,11 +4,12 @@ neighbours; sampled rows keep the target's law."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from decode.batch import BatchAutoregressive, BatchDecoder
-from decode.batch_control import BatchCostAware, BatchSizeK
+from decode.batch_control import BatchCostAware, BatchSizeK, expected_max
 from decode.batch_costs import BatchCosts
 from decode.engine import SpeculativeDecoder
 from decode.policies import DraftConfidence, FixedK, SpecDecPP
@@ -180,6 +181,23 @@ def test_a_batch_that_never_drafts_does_the_target_alones_forwards(arch_pairs):
     plain = BatchDecoder(pair, BatchSizeK({1: 0}), GreedyMatch())
     assert [g.tokens for g in plain.generate(prompts, 10)] == [w.tokens for w in want]
     assert [c for c in plain.stats.calls if c[0] == "target"] == alone.stats.calls and plain.stats.draft_calls == 0
+
+
+def test_a_rounds_progress_is_the_expected_drop_of_the_most_any_row_has_left():
+    """expected_max, which the controller's progress is built on, against draws: rows of different remaining budgets
+    and survival curves, level rows (the slowest sets the progress) and one row (its expected tokens)."""
+    rng = np.random.default_rng(0)
+    for reach, probs in (([9, 9, 9], [[0.9, 0.8], [0.9, 0.8], [0.5, 0.5]]), ([12, 10, 7, 11], [[0.7, 0.6, 0.9]] * 4),
+                         ([5], [[0.8, 0.8, 0.8]])):
+        reach, probs = np.array(reach, dtype=float), np.array(probs)
+        surv = np.c_[np.ones(len(reach)), np.cumprod(probs, 1)]
+        accepted = np.cumprod(rng.random((200_000, *probs.shape)) < probs, 2).sum(2)
+        drawn = (reach - 1 - accepted).max(1).mean()
+        assert expected_max(reach, surv) == pytest.approx(drawn, abs=0.01)
+        assert np.allclose(expected_max(reach, np.stack([surv, surv])), expected_max(reach, surv))
+    level = np.array([9.0] * 3)  # level rows: the batch moves on by 1 + P(every row takes the candidate)
+    assert 9 - expected_max(level, np.array([[1, 0.9]] * 2 + [[1, 0.5]])) == pytest.approx(1 + 0.9 * 0.9 * 0.5)
+    assert 5 - expected_max(np.array([5.0]), np.array([[1, 0.8, 0.4]])) == pytest.approx(2.2)
 
 
 def test_batch_size_table_and_cost_interpolation():

@@ -7,6 +7,7 @@ import torch
 
 from decode import policies as P
 from decode.batch import BatchDecoder
+from decode.batch_control import BatchCostAware, RowsStep
 from decode.engine import SpeculativeDecoder
 from decode.policies import CostAwareStop, DraftStep, FixedK, SpecDecPP, draft_scalars
 from decode.rules import SpeculativeSampling
@@ -88,6 +89,44 @@ def test_a_head_policy_decides_from_one_call_as_from_the_step_by_step_path(tiny_
         assert fused.prob(step) == pytest.approx(plain.prob(again), abs=1e-5)
         want = [float(a[0]) for a in draft_scalars(logits[None], [i])]
         assert [step.confidence, step.entropy, step.top1] == pytest.approx(want, rel=2e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("extras, position", [(list(EXTRAS), "prev"), (["accepted_run"], "own")])
+def test_a_batch_controllers_compiled_rows_decide_as_its_numpy_path(tiny_pair, tmp_path, extras, position):
+    """RowsStep.head_probs' one compiled call over rows gives the numpy features' and head's probabilities and the
+    rows' scalars; kernels.round_progress gives the numpy progress of every lookahead, rows stopped and at the far
+    end of the budgets included."""
+    head = export_head(tmp_path, tiny_pair, position=position, extras=extras, depth=3)
+    ctl = BatchCostAware(head)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, tiny_pair.vocab, generator=g) * torch.tensor([0.5, 1, 3, 10, 2, 30])[:, None]
+    hidden = torch.randn(6, tiny_pair.draft.config.hidden_size, generator=g)
+    runs = [0, 3, 1, 7, 2, 40]
+    fused = RowsStep(1, list(range(6)), [5, 1, 2, 3, 4, 0], None, logits, hidden, hidden)
+    plain = RowsStep(1, list(range(6)), [5, 1, 2, 3, 4, 0], None, logits, hidden, hidden)
+    got = fused.head_probs(ctl, runs)
+    ctl.fast_prob.params = None  # the numpy features and head
+    want = plain.head_probs(ctl, runs)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    if ctl._reads:
+        np.testing.assert_allclose(np.array(fused.scalars), np.array(plain.scalars), rtol=2e-5, atol=1e-7)
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        b, k, later = int(rng.integers(1, 9)), int(rng.integers(1, 4)), int(rng.integers(0, 4))
+        ctl.reach = rng.integers(1, 30, b).astype(np.float64)
+        ctl.reach[0] = 60.0 if trial % 2 else ctl.reach[0]  # one row far ahead of the rest
+        ctl.surv = np.zeros((b, 12))
+        ctl.surv[:, 0] = 1.0
+        for m in range(1, k + 1):
+            ctl.surv[:, m] = ctl.surv[:, m - 1] * rng.uniform(0.2, 0.95, b)
+        rows = sorted(rng.choice(b, size=int(rng.integers(1, b + 1)), replace=False).tolist())
+        stopped = [i for i in range(b) if i not in rows]
+        ctl.surv[stopped, k] = 0.0  # they drafted one candidate fewer
+        a = rng.uniform(0.1, 0.9, len(rows))
+        deciding, last = np.zeros(b, dtype=bool), np.zeros(b)
+        deciding[rows], last[rows] = True, a
+        compiled = kernels.round_progress(ctl.reach.astype(np.int64), ctl.surv, deciding, last, k, later)
+        np.testing.assert_allclose(compiled, ctl._progress(rows, a, k, later, float(ctl.reach.max())), atol=1e-9)
 
 
 def test_greedy_verification_from_the_argmax_decides_as_the_rule(tiny_pair, tmp_path, monkeypatch):
