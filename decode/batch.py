@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from decode.batch_control import BatchControl, RowsStep, control_of
-from decode.batch_costs import batch_costs
+from decode.batch_costs import batch_costs, table_sizes
 from decode.costs import clock, head_cost, measure_costs
 from decode.engine import Generation, Stats, check_prompt
 from decode.pair import Pair
@@ -39,7 +39,7 @@ class BatchDecoder:
 
     policy: a decode.policies policy (copied per row, decode.batch_control.PerRow) or a BatchControl.
     cost_sizes: the batch sizes a BatchCostAware control's cost tables are measured at (decode.batch_costs; None:
-    powers of 4 up to the request's size).
+    table_sizes of the request's size).
     """
 
     def __init__(self, pair: Pair, policy: Policy | BatchControl, rule: Rule, seed: int = 0,
@@ -61,7 +61,7 @@ class BatchDecoder:
             check_prompt(self.pair, ids, max_new_tokens)
         ctl, n = self.control, len(prompts)
         if ctl.needs_batch_costs and ctl.costs is None:
-            sizes = self.cost_sizes or sorted({1, *(4 ** i for i in range(1, 5) if 4 ** i < n), n})
+            sizes = self.cost_sizes or table_sizes(n)
             typical = sorted(map(len, prompts))[n // 2] + max_new_tokens // 2
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
         stats, t_start, eos, ctx = Stats(), self.now(), set(self.pair.eos_ids), self.pair.config.max_context

@@ -194,10 +194,11 @@ class BatchCostAware(HeadPolicy, BatchControl):
     last drafted. Where this size has no drafting stretch yet, the nearest smaller size's progress per round and
     candidates stand in, priced by the tables here times the measured-over-predicted cost of its rounds (a larger
     batch waits on its slowest row at least as long, and its verify costs no less against a plain step); where a
-    smaller size chose not to draft, this one does not either; before any, the head's dev acceptance rate as geometric rounds
-    of the K that pays best. A plain step's cost is the table's times what plain rounds measured against it. A
-    drafting stretch stops early where even every candidate accepted could not have paid for its rounds, or once its
-    size has RECHECK_ROUNDS drafted rounds and their progress per ms is below a plain step's.
+    smaller size chose not to draft, this one does not either; before any, the head's dev acceptance rate as
+    geometric rounds of the K that pays best. A plain step's cost is the table's times what plain rounds measured
+    against it. A drafting stretch stops early where, by the tables, even every candidate accepted could not have
+    paid for its rounds, or once its size has RECHECK_ROUNDS drafted rounds and their progress per ms is below a
+    plain step's.
 
     Within a drafting round, after each candidate the batch drafts on while some j more candidates would raise
     E[progress] - r * C: C_K = K * draft(b) + verify(b, K + 1) + realign(b) from the tables, the rows' tokens from the
@@ -231,12 +232,11 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.stretches: dict[int, np.ndarray] = {}  # measured size -> [rounds, progress, candidates, ms, predicted ms]
         self.plain_ms: dict[int, np.ndarray] = {}  # measured size -> [ms, predicted ms] of plain steps
         self.declined: set[int] = set()  # sizes whose last stretch decision was not to draft
-        self.open = None
 
     def start(self, n):
         self.run_rows = np.zeros(n, dtype=np.int64)
         self.progress = self.spent = 0.0  # this request's expected progress and predicted cost so far (decide's r)
-        self.open, self.mode, self.done = None, None, False  # the round in flight; (size, drafting) of the stretch
+        self.mode = None  # (size, drafting) of the stretch
 
     def round_costs(self, b: int) -> list[float]:
         """C_0 .. C_max_len at batch size b: C_0 a plain target step, C_k a round of k candidates per row."""
@@ -277,7 +277,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
         elif prior is not None:
             guess = (prior[1], self.c[prior[0]])
         rounds, progress, ms = got[0], got[1], got[4] * self.factor(got)
-        bound = (rounds + got[2]) / ms if ms else np.inf
+        bound = (rounds + got[2]) / got[4] if got[4] else np.inf  # by the tables: a first round also reads prompts
         if guess is not None:
             rounds, progress, ms = rounds + PRIOR_ROUNDS, progress + PRIOR_ROUNDS * guess[0], ms + PRIOR_ROUNDS * guess[1]
         return (progress / ms if rounds else None), got[0], bound
@@ -295,39 +295,25 @@ class BatchCostAware(HeadPolicy, BatchControl):
                              "measures them, or call set_batch_costs")
         self.reach = np.zeros(b) if remaining is None else np.asarray(remaining, dtype=np.float64)
         self.reach_int = self.reach.astype(np.int64)
-        most = float(self.reach.max())
-        self._close(most)
         self.b, self.k = b, 0
         self.c, self.c_array, prior, self.bucket = self.priced(b)
         rate, measured, bound = self.drafting_rate(prior)
         plain = 1.0 / (self.c[0] * self.factor(self.plain_ms.get(self.bucket, np.zeros(2))))  # progress 1 per ms
         if self.mode is None or self.mode[0] != self.bucket:  # a new stretch: draft or not
             self.mode = (self.bucket, rate is None or rate > plain)
-        elif self.mode[1] and (bound < plain or measured >= RECHECK_ROUNDS and rate < plain):
+        elif self.mode[1] and (bound < 1.0 / self.c[0] or measured >= RECHECK_ROUNDS and rate < plain):
             self.mode = (self.bucket, False)  # drafting here cannot pay, or has not over enough rounds
         (self.declined.discard if self.mode[1] else self.declined.add)(self.bucket)
-        self.open = (self.bucket, self.mode[1], most, 0)
         self.surv = np.zeros((b, self.max_len + 1))
         self.surv[:, 0] = 1.0
         self.expected = 1.0  # the round's expected progress as decided so far (a plain step's: 1)
         return self.max_len if self.mode[1] else 0
 
-    def _close(self, most: float) -> None:
-        """The round in flight is over and the rows' most remaining is now `most`: a drafting round's progress joins
-        its size's stretches (capped at its candidates + 1: a row ending early at EOS is not the round's doing)."""
-        if self.open is not None and self.open[1]:
-            size, _, before, k = self.open
-            self.stretches.setdefault(size, np.zeros(5))[:3] += (1.0, min(before - most, k + 1), k)
-        self.open = None
-
     def timed(self, ms):
-        size, drafting = self.open[0], self.open[1]
-        if drafting:
-            self.stretches.setdefault(size, np.zeros(5))[3:] += (ms, self.c[self.k])
+        if self.k:
+            self.stretches.setdefault(self.bucket, np.zeros(5))[3:] += (ms, self.c[self.k])
         else:
-            self.plain_ms.setdefault(size, np.zeros(2))[:] += (ms, self.c[0])
-        if self.done:  # the request is over: its last round brought the most remaining to 0
-            self._close(0.0)
+            self.plain_ms.setdefault(self.bucket, np.zeros(2))[:] += (ms, self.c[0])
 
     def decide(self, step):
         a = step.head_probs(self, self.run_rows[step.rows].tolist())
@@ -363,13 +349,14 @@ class BatchCostAware(HeadPolicy, BatchControl):
     def verified(self, accepted, drafted):
         self.progress += self.expected
         self.spent += self.c[self.k]
-        self.open = (*self.open[:3], self.k)
+        if self.k:  # the round's progress: the rows' most remaining before it less the most after what each emitted
+            done = float(self.reach.max() - (self.reach - 1 - np.asarray(accepted)).max())
+            self.stretches.setdefault(self.bucket, np.zeros(5))[:3] += (1.0, done, self.k)
         for i, (a, d) in enumerate(zip(accepted, drafted)):  # HeadPolicy.verified's run, per row
             self.run_rows[i] = 0 if a < d else self.run_rows[i] + d + 1
 
     def select(self, stay):
         self.run_rows = self.run_rows[stay]
-        self.done = not stay
 
 
 def control_of(policy: Policy | BatchControl) -> BatchControl:

@@ -100,6 +100,14 @@ class BatchCosts:
 _CACHE: dict[tuple, BatchCosts] = {}
 
 
+def table_sizes(n: int) -> list[int]:
+    """The batch sizes a controller's tables are measured at for requests of up to n rows: the powers of 2 below n,
+    and n. Rows leave a batch as they finish, so its rounds run at every size below its start, and the costs
+    between two measured sizes are not linear in the rows (on the embedded pair, plain steps at 3 to 6 rows cost
+    1.27x the line between the tables' 1 and 8 rows); a controller's measurements are also kept per measured size."""
+    return sorted({1 << i for i in range(max(1, n).bit_length()) if 1 << i < n} | {max(1, n)})
+
+
 def batch_costs(pair: Pair, sizes: list[int], prefix: int = 128, max_len: int = 8) -> BatchCosts:
     """BatchCosts.measure once per pair of loaded models and arguments."""
     key = (id(pair.draft), id(pair.target), tuple(sorted(sizes)), prefix, max_len)

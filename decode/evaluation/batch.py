@@ -10,8 +10,9 @@ over our batched target alone on the same batch, with a 95% bootstrap interval o
 Methods: the target alone (ours, twice: the second run is the A/A check of the run's noise, and Hugging Face
 generate() on the left-padded batch), fixed K = 1..6, draft
 confidence per row, vLLM's batch-size table (decode.batch_control.BatchSizeK: per B, the best of K = 0..6 on one
-dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the bench's
-batch sizes). The fixed K best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
+dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the powers of
+2 up to the largest batch size; before the test batches it decodes the dev batches the table is chosen on, so that
+it, like the table, has learned on dev what drafting yields at each size). The fixed K best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
 Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
 (batch_cache/), so an interrupted run resumes there.
 """
@@ -32,7 +33,7 @@ import yaml
 from data_gen.prompts import PromptSet
 from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.batch_control import BatchCostAware, BatchSizeK
-from decode.batch_costs import batch_costs
+from decode.batch_costs import batch_costs, table_sizes
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.report import pyplot
 from decode.hf import hf_generate_batch
@@ -80,8 +81,10 @@ def batches(prompts: list[list[int]], b: int, count: int) -> list[list[list[int]
     return [[prompts[(i * b + j) % len(prompts)] for j in range(b)] for i in range(count)]
 
 
-def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, sizes: list[int]) -> dict:
-    """name -> run(batch, seed) -> (tokens per row, wall s, per-row latency s, peak KV bytes or None)."""
+def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, sizes: list[int],
+            calibration: list[list[list[int]]] = ()) -> dict:
+    """name -> run(batch, seed) -> (tokens per row, wall s, per-row latency s, peak KV bytes or None). calibration:
+    dev batches the batch controller decodes first, as a server calibrates once (the table is chosen on them)."""
     def ours(make):
         def run(batch, seed):
             dec = make(seed)
@@ -103,7 +106,11 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
     ctl = BatchCostAware(head)  # one instance: its head loads once, its cost tables are measured once
     ctl.bind(pair.identity("draft"), pair.config.sampling)
     typical = min(cfg.prompt_tokens, 64) + cfg.max_new_tokens // 2
-    ctl.set_batch_costs(batch_costs(pair, sizes, prefix=typical, max_len=ctl.max_len))
+    ctl.set_batch_costs(batch_costs(pair, table_sizes(max(sizes)), prefix=typical, max_len=ctl.max_len))
+    for i, batch in enumerate(calibration):
+        BatchDecoder(pair, ctl, rule, cfg.seed + 7 + 1000 * i).generate(batch, cfg.max_new_tokens)
+        print(f"batch-bench: the batch controller calibrates on dev batch {i + 1}/{len(calibration)} of {len(batch)} "
+              "rows", flush=True)
     out |= {AGAIN: alone,  # the same work once more on the same batch: the run's A/A check (noise_floor)
             "HF generate (padded)": hf,
             f"draft confidence {cfg.confidence}": ours(lambda seed: BatchDecoder(pair, DraftConfidence(cfg.confidence), rule, seed)),
@@ -182,7 +189,8 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
         for b in cfg.batch_sizes:
             path = cache / f"{setting}_b{b}.json"
             if not path.exists():
-                methods = methods or runners(pair, cfg, table, cfg.batch_sizes)
+                calibration = [g for b in cfg.batch_sizes for g in batches(dev, b, 4 if b == 1 else 1)]  # the table's
+                methods = methods or runners(pair, cfg, table, cfg.batch_sizes, calibration)
                 groups = batches(test, b, cfg.repeats.get(b, 2))
                 res = measure(pair, methods, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
