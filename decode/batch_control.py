@@ -216,11 +216,6 @@ class BatchCostAware(HeadPolicy, BatchControl):
         # The prior of the acceptance rate: the head's dev labels' rate (export writes it); see PRIOR_ROUNDS.
         self.prior = (self.config.get("metrics") or {}).get("positive_rate")
         self.forget()
-        params = getattr(self.fast_prob, "params", None)
-        if params is not None and self.features.extras:  # compiled (or loaded from numba's cache) before decoding
-            hidden = np.zeros((1, len(params[0]) - len(self._codes)), dtype=np.float32)
-            logits = np.zeros((1, 8), dtype=np.float32) if self._reads else None
-            kernels.head_rows(logits, np.zeros(1, dtype=np.int64), hidden, np.zeros(1, dtype=np.int64), self._codes, params)
 
     def set_batch_costs(self, costs: BatchCosts) -> None:
         self.costs, self._priced = costs, {}
@@ -318,7 +313,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
     def decide(self, step):
         a = step.head_probs(self, self.run_rows[step.rows].tolist())
         self.k = k = step.index + 1
-        rows, most = step.rows, float(self.reach.max())
+        rows = step.rows
         self.surv[rows, k] = self.surv[rows, k - 1] * a
         later = min(self.max_len - k, LOOKAHEAD)
         if kernels.HAVE_NUMBA and self.b <= kernels.ROWS_MAX:
@@ -326,16 +321,17 @@ class BatchCostAware(HeadPolicy, BatchControl):
             deciding[rows], last[rows] = True, a
             progress = kernels.round_progress(self.reach_int, self.surv, deciding, last, k, later)
         else:
-            progress = self._progress(rows, a, k, later, most)
+            progress = self._progress(rows, a, k, later)
         self.expected = float(progress[0])
         rate = self.progress / self.spent if self.spent else progress[0] / self.c[k]
         go = bool((progress[1:] - progress[0] > rate * (self.c_array[k + 1:k + later + 1] - self.c[k])).any())
         return [go] * len(rows)
 
-    def _progress(self, rows, a, k: int, later: int, most: float) -> np.ndarray:
+    def _progress(self, rows, a, k: int, later: int) -> np.ndarray:
         """kernels.round_progress in numpy (many rows, or no numba): the round's expected progress if it stops after
         j = 0 .. later more candidates, each further candidate of a deciding row surviving at its last probability.
         Rows too far behind the most remaining to set it this round (even taking every candidate) are left out."""
+        most = float(self.reach.max())
         near = self.reach > most - k - later - 2
         reach, rows_at = self.reach[near], np.asarray(rows)
         hyp = np.repeat(self.surv[near][None, :, :k + later + 1], later + 1, 0)

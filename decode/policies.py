@@ -209,8 +209,11 @@ class HeadPolicy(Policy):
         self._reads = bool(set(self.features.extras) & {"draft_entropy", "draft_top1", "cand_logq"})  # the softmax
         params = getattr(self.fast_prob, "params", None)
         if params is not None and self.features.extras:  # compiled (or loaded from numba's cache) before decoding
-            hidden = np.zeros(len(params[0]) - len(self._codes), dtype=np.float32)
-            kernels.head_step(np.zeros(8, dtype=np.float32) if self._reads else None, 0, hidden, 0, self._codes, params)
+            hidden = np.zeros((1, len(params[0]) - len(self._codes)), dtype=np.float32)
+            logits = np.zeros((1, 8), dtype=np.float32) if self._reads else None
+            kernels.head_step(None if logits is None else logits[0], 0, hidden[0], 0, self._codes, params)
+            kernels.head_rows(logits, np.zeros(1, dtype=np.int64), hidden, np.zeros(1, dtype=np.int64), self._codes,
+                              params)  # a batch's rows (decode.batch_control.RowsStep.head_probs)
 
     def start(self) -> None:
         self.run = 0

@@ -181,7 +181,7 @@ _head_step = _jit(_head_step) or _head_step
 _head_step_k = _head_step if HAVE_NUMBA else None
 _head_rows_k = _jit(_head_rows)
 _round_progress_k = _jit(_round_progress)
-ROWS_MAX = 32  # up to this many rows, a batch controller decides with the compiled rows paths
+ROWS_MAX = 32  # up to this many rows, a batch's head and controller use the compiled rows paths
 _softmax_scalars_k = _softmax_scalars
 _softmax_scalars_rows_k = _jit(_softmax_scalars_rows)
 _NONE = np.zeros(0, dtype=np.float32)
@@ -226,8 +226,9 @@ def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray,
     (4, R) float64 rows of probability, confidence, entropy and top-1."""
     out = np.empty((4, hidden.shape[0]))
     v = 0 if logits is None else logits.shape[-1]
-    _head_rows_k(np.zeros((hidden.shape[0], 0), dtype=np.float32) if logits is None else logits, tokens, hidden, runs, codes,
-                 _work(v), out, *params)
+    if logits is None:  # rows of no logits: _head_step reads no softmax
+        logits = np.zeros((hidden.shape[0], 0), dtype=np.float32)
+    _head_rows_k(logits, tokens, hidden, runs, codes, _work(v), out, *params)
     return out
 
 

@@ -12,7 +12,8 @@ generate() on the left-padded batch), fixed K = 1..6, draft
 confidence per row, vLLM's batch-size table (decode.batch_control.BatchSizeK: per B, the best of K = 0..6 on one
 dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the powers of
 2 up to the largest batch size; before the test batches it decodes the dev batches the table is chosen on, so that
-it, like the table, has learned on dev what drafting yields at each size). The fixed K best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
+it, like the table, has learned on dev what drafting yields at each size). The fixed K best over all batch sizes on
+dev (geometric mean) is marked: a user who sets one K.
 Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
 (batch_cache/), so an interrupted run resumes there.
 """
@@ -79,6 +80,11 @@ def suffix(s: Sampling) -> str:
 def batches(prompts: list[list[int]], b: int, count: int) -> list[list[list[int]]]:
     """count batches of b consecutive prompts (wrapping around when the set is short)."""
     return [[prompts[(i * b + j) % len(prompts)] for j in range(b)] for i in range(count)]
+
+
+def dev_batches(dev: list[list[int]], b: int) -> list[list[list[int]]]:
+    """The dev batches of size b that the table is chosen on and the controller calibrates on (four at B = 1)."""
+    return batches(dev, b, 4 if b == 1 else 1)
 
 
 def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, sizes: list[int],
@@ -157,7 +163,7 @@ def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache
         return {int(b): k for b, k in got["table"].items()}, got["single"]
     speed: dict[int, dict[int, float]] = {}
     for b in cfg.batch_sizes:
-        res = measure(pair, runners(pair, cfg, None, cfg.batch_sizes), batches(dev, b, 4 if b == 1 else 1),
+        res = measure(pair, runners(pair, cfg, None, cfg.batch_sizes), dev_batches(dev, b),
                       cfg.seed + 7, f"dev {setting} B={b}")
         base = np.array([x[0] for x in res["target"]])
         speed[b] = {0: 1.0} | {k: float(np.mean(np.array([x[0] for x in res[f"SD K={k}"]]) / base)) for k in cfg.fixed_k}
@@ -189,8 +195,9 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
         for b in cfg.batch_sizes:
             path = cache / f"{setting}_b{b}.json"
             if not path.exists():
-                calibration = [g for b in cfg.batch_sizes for g in batches(dev, b, 4 if b == 1 else 1)]  # the table's
-                methods = methods or runners(pair, cfg, table, cfg.batch_sizes, calibration)
+                if methods is None:  # the controller calibrates on the dev batches the table is chosen on
+                    calibration = [g for size in cfg.batch_sizes for g in dev_batches(dev, size)]
+                    methods = runners(pair, cfg, table, cfg.batch_sizes, calibration)
                 groups = batches(test, b, cfg.repeats.get(b, 2))
                 res = measure(pair, methods, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
