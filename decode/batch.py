@@ -54,9 +54,10 @@ class BatchDecoder:
             policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True) -> list[Generation]:
         """B prompts (token ids, any lengths) -> B generations, each stopping at its own EOS or max_new_tokens; a
-        generation's stats.wall is when its row finished (per-row latency)."""
+        generation's stats.wall is when its row finished (per-row latency). stop_at_eos=False decodes every row to
+        max_new_tokens, through its EOS (vLLM's ignore_eos: a throughput bench's fixed lengths)."""
         for ids in prompts:
             check_prompt(self.pair, ids, max_new_tokens)
         ctl, n = self.control, len(prompts)
@@ -64,7 +65,8 @@ class BatchDecoder:
             sizes = self.cost_sizes or table_sizes(n)
             typical = sorted(map(len, prompts))[n // 2] + max_new_tokens // 2
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
-        stats, t_start, eos, ctx = Stats(), self.now(), set(self.pair.eos_ids), self.pair.config.max_context
+        stats, t_start, ctx = Stats(), self.now(), self.pair.config.max_context
+        eos = set(self.pair.eos_ids) if stop_at_eos else set()
         gens, calls = row_generators(self.pair, self.seed, n), []
         draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=ctl.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
@@ -104,8 +106,9 @@ class BatchDecoder:
                     out[r] = out[r][:max_new_tokens]
                     done.append(i)
             ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
-            target.keep(torch.tensor(keep_t))
-            draft.keep(torch.tensor(keep_d))
+            if any(tokens):  # a plain step fed each row its one pending token and the draft nothing: no rollback
+                target.keep(torch.tensor(keep_t))
+                draft.keep(torch.tensor(keep_d))
             stats.t_rule += self.now() - t0
             if done:
                 for i in done:
@@ -223,11 +226,13 @@ class BatchAutoregressive:
         self.now = clock(pair.device)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64) -> list[Generation]:
-        """B prompts -> B generations, one forward of the batch per token (the first token's is the prefill)."""
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True) -> list[Generation]:
+        """B prompts -> B generations, one forward of the batch per token (the first token's is the prefill);
+        stop_at_eos as BatchDecoder.generate's."""
         for ids in prompts:
             check_prompt(self.pair, ids, max_new_tokens)
-        n, stats, t_start, eos = len(prompts), Stats(), self.now(), set(self.pair.eos_ids)
+        n, stats, t_start = len(prompts), Stats(), self.now()
+        eos = set(self.pair.eos_ids) if stop_at_eos else set()
         gens = row_generators(self.pair, self.seed, n)
         cache = RowCache(getattr(self.pair, self.which), self.pair, n, self.which, stats.calls)
         logits, _ = cache.prefill([list(ids) for ids in prompts])  # the first token comes from the prefill

@@ -288,10 +288,13 @@ class BatchCostAware(HeadPolicy, BatchControl):
         if self.costs is None:
             raise ValueError("BatchCostAware has no cost tables: decode with decode.batch.BatchDecoder, which "
                              "measures them, or call set_batch_costs")
-        self.reach = np.zeros(b) if remaining is None else np.asarray(remaining, dtype=np.float64)
-        self.reach_int = self.reach.astype(np.int64)
         self.b, self.k = b, 0
         self.c, self.c_array, prior, self.bucket = self.priced(b)
+        if self.mode == (self.bucket, False):  # a plain stretch goes on until the size changes: as lean as a plain step
+            self.expected = 1.0
+            return 0
+        self.reach = np.zeros(b) if remaining is None else np.asarray(remaining, dtype=np.float64)
+        self.reach_int = self.reach.astype(np.int64)
         rate, measured, bound = self.drafting_rate(prior)
         plain = 1.0 / (self.c[0] * self.factor(self.plain_ms.get(self.bucket, np.zeros(2))))  # progress 1 per ms
         if self.mode is None or self.mode[0] != self.bucket:  # a new stretch: draft or not
@@ -348,8 +351,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
         if self.k:  # the round's progress: the rows' most remaining before it less the most after what each emitted
             done = float(self.reach.max() - (self.reach - 1 - np.asarray(accepted)).max())
             self.stretches.setdefault(self.bucket, np.zeros(5))[:3] += (1.0, done, self.k)
-        for i, (a, d) in enumerate(zip(accepted, drafted)):  # HeadPolicy.verified's run, per row
-            self.run_rows[i] = 0 if a < d else self.run_rows[i] + d + 1
+        a, d = np.asarray(accepted), np.asarray(drafted)  # HeadPolicy.verified's run, per row
+        self.run_rows = np.where(a < d, 0, self.run_rows + d + 1)
 
     def select(self, stay):
         self.run_rows = self.run_rows[stay]

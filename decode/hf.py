@@ -166,12 +166,13 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
     return assistant
 
 
-def clean_config(pair: Pair, n: int) -> GenerationConfig:
+def clean_config(pair: Pair, n: int, stop_at_eos: bool = True) -> GenerationConfig:
     """The generation config a baseline runs on: the pair's sampling, its EOS ids, at most n new tokens, and
     nothing else. A checkpoint's own config carries extras (Qwen2.5-Instruct: repetition_penalty 1.05, applied
     even without sampling) that would make the baseline decode another distribution than the engine."""
     s = pair.config.sampling
-    fields = dict(max_new_tokens=n, min_new_tokens=0, eos_token_id=list(pair.eos_ids), pad_token_id=pair.eos_ids[0],
+    fields = dict(max_new_tokens=n, min_new_tokens=0, eos_token_id=list(pair.eos_ids) if stop_at_eos else None,
+                  pad_token_id=pair.eos_ids[0],
                   do_sample=s.temperature > 0)
     if s.temperature > 0:  # top_k 0, not None: generate() fills a None from the model's config (GPT-2's: 50), and
         # the assistant's generate() from the draft's, so the draft sampled under top-k 50 beside a target without it
@@ -182,11 +183,11 @@ def clean_config(pair: Pair, n: int) -> GenerationConfig:
 
 
 @contextlib.contextmanager
-def clean_generation(pair: Pair, n: int):
+def clean_generation(pair: Pair, n: int, stop_at_eos: bool = True):
     """The target's generation config is clean_config(pair, n) inside. generate() fills every field a passed config
     leaves unset from the model's own generation config, so the clean config stands in for the model's for the
     call instead of being passed beside it."""
-    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n)
+    own, pair.target.generation_config = pair.target.generation_config, clean_config(pair, n, stop_at_eos)
     try:
         yield
     finally:
@@ -238,16 +239,18 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
     return out, st
 
 
-def hf_generate_batch(pair: Pair, prompts: list[list[int]], n: int, seed: int) -> tuple[list[list[int]], float]:
+def hf_generate_batch(pair: Pair, prompts: list[list[int]], n: int, seed: int,
+                      stop_at_eos: bool = True) -> tuple[list[list[int]], float]:
     """Hugging Face generate() of the target alone over a left-padded batch -> each row's new tokens (up to and
-    including its EOS) and the wall time. Its assisted generation takes one sequence only, so this is its batch."""
+    including its EOS; stop_at_eos=False: all n, through it) and the wall time. Its assisted generation takes one
+    sequence only, so this is its batch."""
     width, pad = max(map(len, prompts)), pair.eos_ids[0]
     x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=pair.input_device("target"))
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=x.device)
     torch.manual_seed(seed)
     now = clock(pair.device)
     t0 = now()
-    with clean_generation(pair, n):
+    with clean_generation(pair, n, stop_at_eos):
         out = pair.target.generate(x, attention_mask=mask)[:, width:].tolist()
-    wall, eos = now() - t0, set(pair.eos_ids)
+    wall, eos = now() - t0, set(pair.eos_ids) if stop_at_eos else set()
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in out], wall

@@ -3,6 +3,7 @@ token, for every family in float32 and bfloat16 with ragged prompts; a row's out
 neighbours; sampled rows keep the target's law."""
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.batch_control import BatchCostAware, BatchSizeK, expected_max
 from decode.batch_costs import BatchCosts
 from decode.engine import SpeculativeDecoder
+from decode.hf import hf_generate_batch
 from decode.policies import DraftConfidence, FixedK, SpecDecPP
 from decode.rules import GreedyMatch, SpeculativeSampling
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401  (arch_pairs is a fixture)
@@ -96,6 +98,24 @@ def test_batch_of_32_with_eos_and_a_budget_per_row(arch_pairs):
     assert [g.tokens for g in got] == [w.tokens for w in want]
     ends = [g.tokens[-1] in pair.eos_ids for g in got]
     assert any(ends) or all(len(g.tokens) == 24 for g in got)
+
+
+def test_rows_decode_through_their_eos_when_told_and_hf_batches_agree(arch_pairs):
+    """stop_at_eos=False (a throughput bench's fixed lengths): every row emits the whole budget, its text up to its EOS
+    is the text that stops there, and Hugging Face generate() on the left-padded batch agrees either way."""
+    pair = arch_pairs("llama", "float32")[1]
+    prompts = ragged(pair, 8)
+    pair = dataclasses.replace(pair, eos_ids=(Counter(t for p in prompts for t in p).most_common(1)[0][0],))
+    stopped = BatchAutoregressive(pair).generate(prompts, 16)
+    assert any(len(g.tokens) < 16 for g in stopped), "no row met the EOS: the test would check nothing"
+    through = BatchAutoregressive(pair).generate(prompts, 16, stop_at_eos=False)
+    got = BatchDecoder(pair, FixedK(3), GreedyMatch()).generate(prompts, 16, stop_at_eos=False)
+    assert [g.tokens for g in got] == [t.tokens for t in through]
+    for s, t in zip(stopped, through):
+        assert len(t.tokens) == 16 and t.tokens[:len(s.tokens)] == s.tokens
+    for stop, want in ((True, stopped), (False, through)):
+        hf, _ = hf_generate_batch(pair, prompts, 16, 0, stop)
+        assert hf == [w.tokens for w in want], stop
 
 
 def test_a_row_alone_and_inside_a_batch_of_32_gives_the_same_tokens(arch_pairs):

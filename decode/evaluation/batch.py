@@ -44,7 +44,7 @@ from decode.rules import SpeculativeSampling
 
 AGAIN = "target alone again (A/A)"
 COLUMNS = ["prompts", "setting", "batch_size", "method", "tokens_per_s", "speedup", "lo", "hi",
-           "row_latency_s", "peak_kv_mib", "batches", "note"]
+           "row_latency_s", "peak_kv_mib", "drafted", "batches", "note"]
 
 
 @dataclass
@@ -61,6 +61,10 @@ class BatchBenchConfig:
     confidence: float = 0.4
     head: str = "checkpoints/specdecpp-prev{suffix}"  # {suffix}: "" at T = 1, "-greedy", ...
     max_new_tokens: int = 32
+    # Settings (by name) whose rows decode max_new_tokens through their EOS, as serving benchmarks fix output lengths:
+    # under sampling each method draws other text, and where rows stop at EOS a batch's tok/s is set by where its draws
+    # put the EOS (the target alone ranged 77-222 tok/s over batches of one prompt at T = 1), not by the method
+    ignore_eos: list[str] = field(default_factory=lambda: ["t1"])
     prompt_tokens: int = 64
     threads: int = 2
     seed: int = 0
@@ -89,18 +93,23 @@ def dev_batches(dev: list[list[int]], b: int) -> list[list[list[int]]]:
 
 def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, sizes: list[int],
             calibration: list[list[list[int]]] = ()) -> dict:
-    """name -> run(batch, seed) -> (tokens per row, wall s, per-row latency s, peak KV bytes or None). calibration:
+    """name -> run(batch, seed) -> (tokens per row, wall s, per-row latency s, peak KV bytes or None, candidates drafted
+    per row and round or None). calibration:
     dev batches the batch controller decodes first, as a server calibrates once (the table is chosen on them)."""
+    stop = pair.config.sampling.name not in cfg.ignore_eos
+
     def ours(make):
         def run(batch, seed):
             dec = make(seed)
-            gens = dec.generate(batch, cfg.max_new_tokens)
-            return [g.tokens for g in gens], dec.stats.wall, float(np.mean([g.stats.wall for g in gens])), dec.peak_bytes
+            gens = dec.generate(batch, cfg.max_new_tokens, stop)
+            drafted = dec.stats.drafted / max(dec.stats.rounds, 1) if isinstance(dec, BatchDecoder) else None
+            return ([g.tokens for g in gens], dec.stats.wall, float(np.mean([g.stats.wall for g in gens])),
+                    dec.peak_bytes, drafted)
         return run
 
     def hf(batch, seed):
-        tokens, wall = hf_generate_batch(pair, batch, cfg.max_new_tokens, seed)
-        return tokens, wall, wall, None
+        tokens, wall = hf_generate_batch(pair, batch, cfg.max_new_tokens, seed, stop)
+        return tokens, wall, wall, None, None
 
     rule = SpeculativeSampling()
     alone = ours(lambda seed: BatchAutoregressive(pair, seed=seed))
@@ -114,7 +123,7 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
     typical = min(cfg.prompt_tokens, 64) + cfg.max_new_tokens // 2
     ctl.set_batch_costs(batch_costs(pair, table_sizes(max(sizes)), prefix=typical, max_len=ctl.max_len))
     for i, batch in enumerate(calibration):
-        BatchDecoder(pair, ctl, rule, cfg.seed + 7 + 1000 * i).generate(batch, cfg.max_new_tokens)
+        BatchDecoder(pair, ctl, rule, cfg.seed + 7 + 1000 * i).generate(batch, cfg.max_new_tokens, stop)
         print(f"batch-bench: the batch controller calibrates on dev batch {i + 1}/{len(calibration)} of {len(batch)} "
               "rows", flush=True)
     out |= {AGAIN: alone,  # the same work once more on the same batch: the run's A/A check (noise_floor)
@@ -126,14 +135,14 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
 
 
 def measure(pair: Pair, methods: dict, groups: list[list[list[int]]], seed: int, label: str) -> dict[str, list]:
-    """name -> per batch (tok/s, row latency s, peak KV bytes); methods interleaved, order rotated per batch."""
+    """name -> per batch (tok/s, row latency s, peak KV bytes, drafted); methods interleaved, order rotated per batch."""
     names, res = list(methods), {m: [] for m in methods}
     for i, batch in enumerate(groups):
         t0 = time.perf_counter()
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
-            tokens, wall, latency, peak = methods[name](batch, seed + 1000 * i)
-            res[name].append((sum(map(len, tokens)) / max(wall, 1e-9), latency, peak))
+            tokens, wall, latency, peak, drafted = methods[name](batch, seed + 1000 * i)
+            res[name].append((sum(map(len, tokens)) / max(wall, 1e-9), latency, peak, drafted))
         print(f"batch-bench {label}: batch {i + 1}/{len(groups)} of {len(batch)} rows, {time.perf_counter() - t0:.1f} s",
               flush=True)
     return res
@@ -146,10 +155,12 @@ def summarise(res: dict[str, list], prompts: str, setting: str, b: int, notes: d
         ratios = np.array([x[0] for x in runs]) / base
         lo, hi = bootstrap_ci(ratios[:, None]) if len(ratios) > 1 else (float(ratios[0]),) * 2
         peaks = [x[2] for x in runs if x[2] is not None]
+        drafted = [x[3] for x in runs if len(x) > 3 and x[3] is not None]
         rows.append({"prompts": prompts, "setting": setting, "batch_size": b, "method": name,
                      "tokens_per_s": float(np.mean([x[0] for x in runs])), "speedup": float(ratios.mean()),
                      "lo": lo, "hi": hi, "row_latency_s": float(np.mean([x[1] for x in runs])),
                      "peak_kv_mib": max(peaks) / 2 ** 20 if peaks else None, "batches": len(runs),
+                     "drafted": float(np.mean(drafted)) if drafted else None,
                      "note": notes.get(name, ""), "per_batch": [x[0] for x in runs]})
     return rows
 
@@ -226,6 +237,11 @@ def markdown(rows: list[dict]) -> str:
         lines += ["", "target alone: " + ", ".join(f"B = {t['batch_size']} {t['tokens_per_s']:.0f} tok/s, row latency "
                                                    f"{t['row_latency_s']:.2f} s, peak KV {t['peak_kv_mib']:.0f} MiB"
                                                    for t in target)]
+        for m in ("batch controller", "batch-size table (dev)"):
+            got = [cell[(m, b)] for b in sizes if cell.get((m, b), {}).get("drafted") is not None]
+            if got:
+                lines.append(f"\n{m}, candidates drafted per row and round: " +
+                             ", ".join(f"B = {c['batch_size']} {c['drafted']:.2f}" for c in got))
         notes = sorted({f"{r['method']} at B = {r['batch_size']}: {r['note']}" for r in sub if r["note"]})
         lines += [""] + [f"- {n}" for n in notes] + ["", paired(sub, sizes), "", noise_floor(sub, sizes), ""]
     return "\n".join(lines)
