@@ -190,6 +190,22 @@ def test_the_batch_controller_drafts_while_drafting_pays_and_stops_when_it_does_
     assert dear.stats.draft_calls == 1
 
 
+def test_a_size_that_drafted_few_rounds_drafts_on_until_they_show_it_does_not_pay(arch_pairs, tmp_path):
+    """Drafted rounds at one size that made 10% less progress per ms than a plain step: over 10 rounds (one request's,
+    noise) the controller drafts on; over 1000 it stops."""
+    pair = arch_pairs("llama", "float32")[1]
+    ctl = controller(export_head(tmp_path, pair, position="prev", extras=EXTRAS),
+                     BatchCosts([1, 32], [1.0, 2.0], [[4.0 + k for k in range(9)], [8.0 + 2 * k for k in range(9)]],
+                                [0.0, 0.0]))
+    ctl.prior = None  # the head's prior would stand in beside the rounds: this test weighs the rounds alone
+    c0, c2 = ctl.round_costs(1)[0], ctl.round_costs(1)[2]
+    for rounds, drafts in ((10, True), (1000, False)):
+        ctl.forget()
+        ctl.start(1)
+        ctl.stretches[1] = np.array([rounds, rounds * 0.9 * c2 / c0, 2.0 * rounds, rounds * c2, rounds * c2])
+        assert (ctl.begin(1, [20]) > 0) == drafts, rounds
+
+
 def test_a_batch_that_never_drafts_does_the_target_alones_forwards(arch_pairs):
     """The first token of every row comes from the prefill (as in HF generate()): the target alone spends one forward
     per token of its longest row, and a speculative decoder at K = 0 spends exactly those forwards."""

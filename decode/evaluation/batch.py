@@ -4,7 +4,9 @@
 
 For each sampling setting and batch size B, the test prompts are cut into batches of B (each prompt's last
 prompt_tokens tokens: a padded batch attends over its longest row); every method decodes each batch, back to back
-in an order rotated per batch, from the same row seeds. A method's speedup is the mean over batches of its tok/s
+in an order rotated per batch, from the same row seeds. Under the settings named in ignore_eos (T = 1) every row
+decodes max_new_tokens through its EOS, as serving benchmarks fix output lengths: each method draws other text, and
+where rows stop at EOS a batch's tok/s is set by where its draws put the EOS. A method's speedup is the mean over batches of its tok/s
 over our batched target alone on the same batch, with a 95% bootstrap interval over batches (paired).
 
 Methods: the target alone (ours, twice: the second run is the A/A check of the run's noise, and Hugging Face
