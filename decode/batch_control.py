@@ -297,14 +297,21 @@ class BatchCostAware(HeadPolicy, BatchControl):
         if below:
             r = self.stretches[max(below)]
             s, k = max(below), r[2] / r[0]
-            guess = (level_progress(acceptance(r[1] / r[0], k, s), k, self.b), self.cost_at(k) * self.factor(r))
+            guess = (self.stand_in(acceptance(r[1] / r[0], k, s), k), self.cost_at(k) * self.factor(r))
         elif prior is not None:
-            guess = (prior[1], self.c[prior[0]])
+            guess = (self.stand_in(self.prior, prior[0]), self.c[prior[0]])
         rounds, progress, ms = got[0], got[1], got[4] * self.factor(got)
         bound = (rounds + got[2]) / got[4] if got[4] else np.inf  # by the tables: a first round also reads prompts
         if guess is not None:
             rounds, progress, ms = rounds + PRIOR_ROUNDS, progress + PRIOR_ROUNDS * guess[0], ms + PRIOR_ROUNDS * guess[1]
         return (progress / ms if rounds else None), got[0], bound
+
+    def stand_in(self, a: float, k: float) -> float:
+        """The expected progress of a round of k candidates for the rows as they are (their remaining budgets), each
+        row taking each candidate with probability a: level rows wait on their slowest (level_progress), rows spread
+        apart (a batch's tail, as rows leave) on the one furthest behind alone."""
+        surv = np.broadcast_to(a ** np.arange(max(1, round(k)) + 1), (len(self.reach), max(1, round(k)) + 1))
+        return float(self.reach.max() - expected_max(self.reach, surv))
 
     def factor(self, stats: np.ndarray) -> float:
         """Measured over predicted time of rounds (stats[-2:]: their ms and the tables' ms), starting at 1 with the

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode.batch import BatchAutoregressive, BatchDecoder
-from decode.batch_control import BatchCostAware, BatchSizeK, expected_max
+from decode.batch_control import BatchCostAware, BatchSizeK, acceptance, expected_max, level_progress
 from decode.batch_costs import BatchCosts
 from decode.engine import SpeculativeDecoder
 from decode.hf import hf_generate_batch
@@ -204,6 +204,20 @@ def test_a_size_that_drafted_few_rounds_drafts_on_until_they_show_it_does_not_pa
         ctl.start(1)
         ctl.stretches[1] = np.array([rounds, rounds * 0.9 * c2 / c0, 2.0 * rounds, rounds * c2, rounds * c2])
         assert (ctl.begin(1, [20]) > 0) == drafts, rounds
+
+
+def test_a_smaller_sizes_rounds_stand_in_for_the_rows_as_they_are(arch_pairs, tmp_path):
+    """One row's 2.1 tokens a round at 2 candidates: the acceptance rate that explains them, carried to 8 level rows,
+    is a round that rarely moves the slowest row on; carried to rows spread apart, it is the leading row's round."""
+    pair = arch_pairs("llama", "float32")[1]
+    ctl = controller(export_head(tmp_path, pair, position="prev", extras=EXTRAS), CHEAP)
+    a = acceptance(2.1, 2, 1)
+    assert 1 + a + a * a == pytest.approx(2.1, abs=1e-6)
+    ctl.start(8)
+    ctl.begin(8, [20] * 8)
+    assert ctl.stand_in(a, 2) == pytest.approx(level_progress(a, 2, 8)) == pytest.approx(1 + a ** 8 + a ** 16)
+    ctl.begin(8, [20, 9, 8, 7, 5, 4, 3, 2])
+    assert ctl.stand_in(a, 2) == pytest.approx(2.1, abs=1e-6)
 
 
 def test_a_batch_that_never_drafts_does_the_target_alones_forwards(arch_pairs):
