@@ -53,6 +53,9 @@ def test_the_batch_bench_config_is_its_schema_and_names_existing_heads():
     for raw in cfg.settings:
         head = ROOT / cfg.head.format(suffix=suffix(Sampling.of(raw)))
         assert (head / "config.json").exists(), head
+    assert cfg.ignore_eos == ["t1"]  # sampled rows at fixed lengths; greedy rows stop at EOS
+    with pytest.raises(ValueError, match="ignore_eos names"):
+        BatchBenchConfig(settings=[{"temperature": 1.0}], ignore_eos=["t1.0"])
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "replay").glob("*.yaml")), ids=lambda p: p.stem)

@@ -72,6 +72,12 @@ class BatchBenchConfig:
     seed: int = 0
     output: str = "docs/bench"
 
+    def __post_init__(self):
+        names = {Sampling.of(raw).name for raw in self.settings}
+        if set(self.ignore_eos) - names:
+            raise ValueError(f"ignore_eos names {sorted(set(self.ignore_eos) - names)}, which are not among the "
+                             f"settings {sorted(names)}: name settings as the bench does (e.g. t1, greedy)")
+
 
 def encode(pair: Pair, spec: dict, tokens: int) -> list[list[int]]:
     """A prompt set's prompts as ids, each its last `tokens` tokens."""
