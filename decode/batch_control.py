@@ -219,14 +219,15 @@ class BatchCostAware(HeadPolicy, BatchControl):
     catch-up reads included) beats a plain step's 1 over its cost.
     Stretches, not single rounds: a round from rows level with each other makes little progress (the slowest of
     them sets it), and the rounds after it gain what it spread; the draft's first round reads all the text since it
-    last drafted. Where this size has no drafting stretch yet, the nearest smaller size's progress per round and
-    candidates stand in, priced by the tables here times the measured-over-predicted cost of its rounds (a larger
-    batch waits on its slowest row at least as long, and its verify costs no less against a plain step); where a
-    smaller size chose not to draft, this one does not either; before any, the head's dev acceptance rate as
-    geometric rounds of the K that pays best. A plain step's cost is the table's times what plain rounds measured
-    against it. A drafting stretch stops early where, by the tables, even every candidate accepted could not have
-    paid for its rounds, or once its size has RECHECK_ROUNDS drafted rounds and their progress per ms is below a
-    plain step's.
+    last drafted. A size's measured rate is raised by 1 / sqrt(its drafted rounds) (optimistic): a plain stretch
+    measures no more drafting, so a choice made on few rounds must lean to drafting to be corrected. Where this size
+    has no drafting stretch yet, the nearest smaller size's rounds stand in (stand_in): the acceptance rate that
+    explains their progress, carried to the rows as they are, at their candidates per round, priced by the tables
+    here times the measured-over-predicted cost of its rounds; where a smaller size chose not to draft, this one does
+    not either; before any, the head's dev acceptance rate with the K that pays best. A plain step's cost is the
+    table's times what plain rounds measured against it. A drafting stretch stops early where, by the tables, even
+    every candidate accepted could not have paid for its rounds, or once its size has RECHECK_ROUNDS drafted rounds
+    and their raised progress per ms is below a plain step's.
 
     Within a drafting round, after each candidate the batch drafts on while some j more candidates would raise
     E[progress] - r * C: C_K = K * draft(b) + verify(b, K + 1) + realign(b) from the tables, the rows' tokens from the
@@ -295,8 +296,9 @@ class BatchCostAware(HeadPolicy, BatchControl):
             return 0.0, 0.0, np.inf  # drafting did not pay at a smaller size: it will not pay here either
         guess = None
         if below:
-            r = self.stretches[max(below)]
-            s, k = max(below), r[2] / r[0]
+            s = max(below)
+            r = self.stretches[s]
+            k = r[2] / r[0]
             guess = (self.stand_in(acceptance(r[1] / r[0], k, s), k), self.cost_at(k) * self.factor(r))
         elif prior is not None:
             guess = (self.stand_in(self.prior, prior[0]), self.c[prior[0]])
@@ -310,7 +312,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
         """The expected progress of a round of k candidates for the rows as they are (their remaining budgets), each
         row taking each candidate with probability a: level rows wait on their slowest (level_progress), rows spread
         apart (a batch's tail, as rows leave) on the one furthest behind alone."""
-        surv = np.broadcast_to(a ** np.arange(max(1, round(k)) + 1), (len(self.reach), max(1, round(k)) + 1))
+        column = a ** np.arange(max(1, round(k)) + 1)  # P(a row's tokens > m), m = 0 .. k, every row alike
+        surv = np.broadcast_to(column, (len(self.reach), len(column)))
         return float(self.reach.max() - expected_max(self.reach, surv))
 
     def factor(self, stats: np.ndarray) -> float:

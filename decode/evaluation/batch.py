@@ -163,7 +163,7 @@ def summarise(res: dict[str, list], prompts: str, setting: str, b: int, notes: d
         ratios = np.array([x[0] for x in runs]) / base
         lo, hi = bootstrap_ci(ratios[:, None]) if len(ratios) > 1 else (float(ratios[0]),) * 2
         peaks = [x[2] for x in runs if x[2] is not None]
-        drafted = [x[3] for x in runs if len(x) > 3 and x[3] is not None]
+        drafted = [x[3] for x in runs if x[3] is not None]
         rows.append({"prompts": prompts, "setting": setting, "batch_size": b, "method": name,
                      "tokens_per_s": float(np.mean([x[0] for x in runs])), "speedup": float(ratios.mean()),
                      "lo": lo, "hi": hi, "row_latency_s": float(np.mean([x[1] for x in runs])),
