@@ -54,7 +54,7 @@ class RowsStep:
         step.batch, step.j = self, j
         return step
 
-    def head_probs(self, head: HeadPolicy, runs: list[int]) -> np.ndarray:
+    def head_probs(self, head: HeadPolicy, runs: list[int] | np.ndarray) -> np.ndarray:
         """(R,) the head's probabilities, one forward over the rows; runs: each row's accepted run before the round.
         On the CPU, up to kernels.ROWS_MAX rows, the draft's scalars and the head are one compiled call."""
         hidden = self.hidden_own if head.features.position == "own" else self.hidden_prev
@@ -254,7 +254,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
         factors. A controller that serves one request after another keeps them (start() does not), as a server
         calibrates once: otherwise every request pays again to learn that drafting does not pay."""
         self.stretches: dict[int, np.ndarray] = {}  # measured size -> [rounds, progress, candidates, ms, predicted ms]
-        self.plain_ms: dict[int, np.ndarray] = {}  # measured size -> [ms, predicted ms] of plain steps
+        self.plain_ms: dict[int, list[float]] = {}  # measured size -> [ms, predicted ms] of plain steps
         self.declined: set[int] = set()  # sizes whose last stretch decision was not to draft
 
     def start(self, n):
@@ -268,8 +268,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
         own = d if self.reads_own_state else 0.0
         return [verify[0]] + [k * d + verify[k] + move + own for k in range(1, self.max_len + 1)]
 
-    def priced(self, b: int) -> tuple[list[float], np.ndarray, tuple[float, float] | None, int]:
-        """At batch size b, once per size: C_0 .. C_max_len as a list and an array, the head prior's (K, tokens per
+    def priced(self, b: int) -> tuple[list[float], tuple[float, float] | None, int]:
+        """At batch size b, once per size: C_0 .. C_max_len, the head prior's (K, tokens per
         round) for the K that pays best at its rate, and the measured size nearest b (whose stretches price it)."""
         if b not in self._priced:
             c, prior = self.round_costs(b), None
@@ -278,7 +278,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
                 k0 = 1 + int(np.argmax([y / c[k] for k, y in enumerate(yields, 1)]))
                 prior = (k0, yields[k0 - 1])
             nearest = min(self.costs.sizes, key=lambda s: abs(np.log(s / b)))
-            self._priced[b] = (c, np.array(c), prior, nearest)
+            self._priced[b] = (c, prior, nearest)
         return self._priced[b]
 
     def cost_at(self, mean_k: float) -> float:
@@ -316,7 +316,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
         surv = np.broadcast_to(column, (len(self.reach), len(column)))
         return float(self.reach.max() - expected_max(self.reach, surv))
 
-    def factor(self, stats: np.ndarray) -> float:
+    def factor(self, stats) -> float:
         """Measured over predicted time of rounds (stats[-2:]: their ms and the tables' ms), starting at 1 with the
         weight of FACTOR_ROUNDS rounds of C_1: what the tables do not price (the rows' Python work, filler, rows
         leaving, the draft's catch-up reads), which grows with the rows, so one size's is not another's."""
@@ -328,7 +328,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
             raise ValueError("BatchCostAware has no cost tables: decode with decode.batch.BatchDecoder, which "
                              "measures them, or call set_batch_costs")
         self.b, self.k = b, 0
-        self.c, self.c_array, prior, self.bucket = self.priced(b)
+        self.c, prior, self.bucket = self.priced(b)
         if self.mode == (self.bucket, False):  # a plain stretch goes on until the size changes: as lean as a plain step
             self.expected = 1.0
             return 0
@@ -336,7 +336,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.reach_int = self.reach.astype(np.int64)
         rate, measured, bound = self.drafting_rate(prior)
         rate = None if rate is None else optimistic(rate, measured)
-        plain = 1.0 / (self.c[0] * self.factor(self.plain_ms.get(self.bucket, np.zeros(2))))  # progress 1 per ms
+        plain = 1.0 / (self.c[0] * self.factor(self.plain_ms.get(self.bucket, (0.0, 0.0))))  # progress 1 per ms
         if self.mode is None or self.mode[0] != self.bucket:  # a new stretch: draft or not
             self.mode = (self.bucket, rate is None or rate > plain)
         elif self.mode[1] and (bound < 1.0 / self.c[0] or measured >= RECHECK_ROUNDS and rate < plain):
@@ -344,6 +344,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
         (self.declined.discard if self.mode[1] else self.declined.add)(self.bucket)
         self.surv = np.zeros((b, self.max_len + 1))
         self.surv[:, 0] = 1.0
+        self.every = np.ones(b, dtype=bool)
         self.expected = 1.0  # the round's expected progress as decided so far (a plain step's: 1)
         return self.max_len if self.mode[1] else 0
 
@@ -351,23 +352,33 @@ class BatchCostAware(HeadPolicy, BatchControl):
         if self.k:
             self.stretches.setdefault(self.bucket, np.zeros(5))[3:] += (ms, self.c[self.k])
         else:
-            self.plain_ms.setdefault(self.bucket, np.zeros(2))[:] += (ms, self.c[0])
+            got = self.plain_ms.get(self.bucket) or self.plain_ms.setdefault(self.bucket, [0.0, 0.0])
+            got[0] += ms  # Python floats: a plain step's bookkeeping is as lean as the target alone's
+            got[1] += self.c[0]
 
     def decide(self, step):
-        a = step.head_probs(self, self.run_rows[step.rows].tolist())
-        self.k = k = step.index + 1
         rows = step.rows
-        self.surv[rows, k] = self.surv[rows, k - 1] * a
+        whole = len(rows) == self.b  # every row decides (always at batch 1): slices, not fancy indexing
+        a = step.head_probs(self, self.run_rows if whole else self.run_rows[rows])
+        self.k = k = step.index + 1
+        if whole:
+            self.surv[:, k] = self.surv[:, k - 1] * a
+        else:
+            self.surv[rows, k] = self.surv[rows, k - 1] * a
         later = min(self.max_len - k, LOOKAHEAD)
         if kernels.HAVE_NUMBA and self.b <= kernels.ROWS_MAX:
-            deciding, last = np.zeros(self.b, dtype=bool), np.zeros(self.b)
-            deciding[rows], last[rows] = True, a
-            progress = kernels.round_progress(self.reach_int, self.surv, deciding, last, k, later)
+            if whole:
+                deciding, last = self.every, a
+            else:
+                deciding, last = np.zeros(self.b, dtype=bool), np.zeros(self.b)
+                deciding[rows], last[rows] = True, a
+            progress = kernels.round_progress(self.reach_int, self.surv, deciding, last, k, later).tolist()
         else:
-            progress = self._progress(rows, a, k, later)
-        self.expected = float(progress[0])
-        rate = self.progress / self.spent if self.spent else progress[0] / self.c[k]
-        go = bool((progress[1:] - progress[0] > rate * (self.c_array[k + 1:k + later + 1] - self.c[k])).any())
+            progress = self._progress(rows, a, k, later).tolist()
+        self.expected = p0 = progress[0]
+        rate = self.progress / self.spent if self.spent else p0 / self.c[k]
+        c = self.c  # Python floats: at a handful of candidates, numpy's per-call cost is most of the decision
+        go = any(progress[j] - p0 > rate * (c[k + j] - c[k]) for j in range(1, later + 1))
         return [go] * len(rows)
 
     def _progress(self, rows, a, k: int, later: int) -> np.ndarray:
