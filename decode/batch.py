@@ -14,6 +14,8 @@ Host reads: one per draft step (the rows' candidates) and one per verification.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from decode.batch_control import BatchControl, RowsStep, control_of
@@ -24,7 +26,7 @@ from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache, compaction
 from decode.rules import Rule, greedy_rows
-from decode.sampling import pick_rows, transform
+from decode.sampling import argmax, pick_rows, transform
 from heads import kernels
 
 
@@ -32,6 +34,37 @@ def row_generators(pair: Pair, seed: int, n: int) -> list[torch.Generator]:
     """Row i's own stream (seed + i), on the device its draws are used: its draws do not depend on which rows share
     its batch."""
     return [torch.Generator(device=pair.device).manual_seed(seed + i) for i in range(n)]
+
+
+@dataclass
+class Texts:
+    """Each request's text as its batch decodes it: committed (what the caches keep), pending (its next token, which
+    the target reads with the round's candidates), out (what it emitted), its end tokens and token budget."""
+
+    committed: list[list[int]]
+    pending: list[int]
+    out: list[list[int]]
+    eos: set[int]
+    budget: int
+
+    def commit(self, r: int, accepted: list[int], nxt: int) -> bool:
+        """Request r keeps its pending token and accepted candidates and emits them and nxt -> whether it ended."""
+        self.committed[r] += [self.pending[r]] + accepted
+        new = accepted + [nxt]
+        end = next((j for j, t in enumerate(new) if t in self.eos), None)
+        self.out[r] += new[: None if end is None else end + 1]
+        self.pending[r] = nxt
+        if end is not None or len(self.out[r]) >= self.budget:
+            self.out[r] = self.out[r][: self.budget]
+            return True
+        return False
+
+    def step(self, r: int, nxt: int) -> bool:
+        """commit(r, [], nxt) of a plain target step, as lean as the target alone's."""
+        self.committed[r].append(self.pending[r])
+        self.out[r].append(nxt)
+        self.pending[r] = nxt
+        return nxt in self.eos or len(self.out[r]) >= self.budget
 
 
 class BatchDecoder:
@@ -76,39 +109,28 @@ class BatchDecoder:
         first = target.prefill([list(ids) for ids in prompts])[0][:, None]
         stats.t_target += self.now() - t0
         rows = list(range(n))  # the request index of each batch row still decoding
-        committed = [list(ids[:-1]) for ids in prompts]
-        pending = [ids[-1] for ids in prompts]
-        out: list[list[int]] = [[] for _ in prompts]
+        text = Texts([list(ids[:-1]) for ids in prompts], [ids[-1] for ids in prompts], [[] for _ in prompts], eos,
+                     max_new_tokens)
         ends = [0.0] * n
         ctl.start(n)
         while rows:
             t_round = self.now()
-            limits = [max(1, min(max_new_tokens - len(out[r]), ctx - len(committed[r]) - 2)) for r in rows]
+            limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
             k_max = min(ctl.begin(len(rows), limits), max(limits))
-            tokens, q, read = self._draft(draft, rows, committed, pending, gens, limits, k_max, stats)
-            logits = self._verify_logits(target, rows, pending, tokens, first, stats)
+            tokens, q, read = self._draft(draft, rows, text, gens, limits, k_max, stats)
+            logits = self._verify_logits(target, rows, text.pending, tokens, first, stats)
             first = None
             t0 = self.now()
             verdicts = self._verdicts(tokens, q, logits, [gens[r] for r in rows])
-            done, keep_t, keep_d = [], [], []
-            for i, (r, (n_acc, nxt)) in enumerate(zip(rows, verdicts)):
-                k = len(tokens[i])
-                stats.rounds, stats.drafted, stats.discarded = stats.rounds + 1, stats.drafted + k, stats.discarded + k - n_acc
-                stats.accepted.append(n_acc)
-                committed[r] += [pending[r]] + tokens[i][:n_acc]
-                keep_t.append(len(committed[r]))
-                keep_d.append(min(read[i], len(committed[r])))  # what the draft read of the text that stands
-                new = tokens[i][:n_acc] + [nxt]
-                end = next((j for j, t in enumerate(new) if t in eos), None)
-                out[r] += new[: None if end is None else end + 1]
-                pending[r] = nxt
-                if end is not None or len(out[r]) >= max_new_tokens:
-                    out[r] = out[r][:max_new_tokens]
-                    done.append(i)
-            ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
-            if any(tokens):  # a plain step fed each row its one pending token and the draft nothing: no rollback
-                target.keep(torch.tensor(keep_t))
-                draft.keep(torch.tensor(keep_d))
+            if any(tokens):
+                done = self._commit(text, rows, tokens, verdicts, read, stats, target, draft)
+                ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
+            else:  # a plain step: each row's one token, and no rollback (the draft read nothing, the target 1 each)
+                done = [i for i, (r, (_, nxt)) in enumerate(zip(rows, verdicts)) if text.step(r, nxt)]
+                none = [0] * len(rows)
+                stats.rounds += len(rows)
+                stats.accepted += none
+                ctl.verified(none, none)
             stats.t_rule += self.now() - t0
             if done:
                 for i in done:
@@ -119,19 +141,37 @@ class BatchDecoder:
                 ctl.select(stay)
                 rows = [rows[i] for i in stay]
             ctl.timed(1e3 * (self.now() - t_round))
-        stats.new_tokens, stats.wall, stats.calls = sum(map(len, out)), self.now() - t_start, calls
+        stats.new_tokens, stats.wall, stats.calls = sum(map(len, text.out)), self.now() - t_start, calls
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
-        return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(out, ends)]
+        return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
+
+    @staticmethod
+    def _commit(text: Texts, rows, tokens, verdicts, read, stats, target: RowCache, draft: RowCache) -> list[int]:
+        """A drafting round's verdicts into each row's text and both caches -> the batch positions of rows done."""
+        done, keep_t, keep_d = [], [], []
+        for i, (r, (n_acc, nxt)) in enumerate(zip(rows, verdicts)):
+            k = len(tokens[i])
+            stats.rounds, stats.drafted, stats.discarded = stats.rounds + 1, stats.drafted + k, stats.discarded + k - n_acc
+            stats.accepted.append(n_acc)
+            if text.commit(r, tokens[i][:n_acc], nxt):
+                done.append(i)
+            keep_t.append(len(text.committed[r]))
+            keep_d.append(min(read[i], len(text.committed[r])))  # what the draft read of the text that stands
+        target.keep(torch.tensor(keep_t))
+        draft.keep(torch.tensor(keep_d))
+        return done
 
     def _verdicts(self, tokens, q, logits, row_gens) -> list[tuple[int, int]]:
         """Each row's (accepted, next token): the rule's verification, or in a plain target step (no candidates) the
         target's own pick, as the target alone draws it (the rule's bonus token has the same law, at more cost)."""
         s = self.pair.config.sampling
-        if self.rule.decides_by_argmax(s):  # as in the engine
+        greedy = self.rule.decides_by_argmax(s)  # as in the engine
+        if not any(tokens):
+            picks = argmax(logits[:, 0]).tolist() if greedy else pick_rows(logits[:, 0], s, row_gens, want_q=False)[0]
+            return [(0, t) for t in picks]
+        if greedy:
             return greedy_rows(tokens, logits)
-        if q is None:
-            return [(0, t) for t in pick_rows(logits[:, 0], s, row_gens, want_q=False)[0]]
         return self.rule.verify_rows(tokens, q, transform(logits, s), row_gens)
 
     def _verify_logits(self, target: RowCache, rows, pending, tokens, first, stats) -> torch.Tensor:
@@ -147,7 +187,7 @@ class BatchDecoder:
         stats.target_calls += 1
         return logits if first is None else torch.cat([first, logits], 1)
 
-    def _draft(self, draft: RowCache, rows, committed, pending, gens, limits, k_max, stats):
+    def _draft(self, draft: RowCache, rows, text: Texts, gens, limits, k_max, stats):
         """One drafting round for every row -> each row's candidates, (M, R, V) their q (None if none, or if greedy
         verification reads none) and the tokens each row's draft cache holds of real text. A row stops on its own (the control or its limit); the batch
         drafts while any row does, feeding a stopped row filler that the round's keep() cuts. As in the engine, a
@@ -159,7 +199,7 @@ class BatchDecoder:
         s, own = self.pair.config.sampling, self.control.reads_own_state
         want_q = not self.rule.decides_by_argmax(s)  # else verification reads no q (_verdicts)
         row_gens = [gens[r] for r in rows]
-        unread = [committed[r][int(x):] + [pending[r]] for r, x in zip(rows, draft.length)]
+        unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
         t0 = self.now()
         logits, hidden = draft.feed(unread)
         stats.t_draft, stats.draft_calls = stats.t_draft + self.now() - t0, stats.draft_calls + 1

@@ -259,6 +259,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
 
     def start(self, n):
         self.run_rows = np.zeros(n, dtype=np.int64)
+        self.plain_steps = 0  # plain steps not yet added to run_rows (each adds 1 to every row's run)
         self.progress = self.spent = 0.0  # this request's expected progress and predicted cost so far (decide's r)
         self.mode = None  # (size, drafting) of the stretch
 
@@ -332,6 +333,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
         if self.mode == (self.bucket, False):  # a plain stretch goes on until the size changes: as lean as a plain step
             self.expected = 1.0
             return 0
+        self.run_rows += self.plain_steps
+        self.plain_steps = 0
         self.reach = np.zeros(b) if remaining is None else np.asarray(remaining, dtype=np.float64)
         self.reach_int = self.reach.astype(np.int64)
         rate, measured, bound = self.drafting_rate(prior)
@@ -402,8 +405,8 @@ class BatchCostAware(HeadPolicy, BatchControl):
         if self.k:  # the round's progress: the rows' most remaining before it less the most after what each emitted
             done = float(self.reach.max() - (self.reach - 1 - np.asarray(accepted)).max())
             self.stretches.setdefault(self.bucket, np.zeros(5))[:3] += (1.0, done, self.k)
-        if not any(drafted):  # a plain step: every row's run grows by its one token
-            self.run_rows += 1
+        if not any(drafted):  # a plain step: every row's run grows by its one token (added at the next drafting begin)
+            self.plain_steps += 1
             return
         a, d = np.asarray(accepted), np.asarray(drafted)  # HeadPolicy.verified's run, per row
         self.run_rows = np.where(a < d, 0, self.run_rows + d + 1)
