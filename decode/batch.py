@@ -27,6 +27,7 @@ from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache, compaction
 from decode.rules import Rule, greedy_rows
 from decode.sampling import argmax, pick_rows, transform
+from decode import rule_kernel
 from heads import kernels
 
 
@@ -81,6 +82,7 @@ class BatchDecoder:
         self.pair, self.policy, self.rule, self.seed, self.cost_sizes = pair, policy, rule, seed, cost_sizes
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
+        rule_kernel.warm(pair.vocab)
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1

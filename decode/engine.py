@@ -21,6 +21,7 @@ from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule, greedy_rows
 from decode.sampling import one_hots, pick, transform
+from decode import rule_kernel
 from heads import kernels
 
 
@@ -134,6 +135,7 @@ class SpeculativeDecoder:
         self.gen = torch.Generator(device=pair.device).manual_seed(seed)
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
+        rule_kernel.warm(pair.vocab)
         if isinstance(policy, HeadPolicy):
             policy.bind(pair.identity("draft"), pair.config.sampling)
         if policy.needs_costs:

@@ -7,13 +7,26 @@ call decode.labels, the same functions data_gen labels with.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 from decode import labels as L
 from decode.pair import Sampling
-from decode.sampling import argmax, sample, uniform
+from decode.rule_kernel import HAVE_NUMBA, speculative_rows
+from decode.sampling import argmax, as_numpy, sample
+
+
+def coins(gen: torch.Generator, k: int, device) -> torch.Tensor:
+    """(k + 1,) float64 uniforms from gen: one per candidate's accept test, then the final draw's (every rule that
+    draws takes them so, so rules that coincide in law also coincide token for token on one seed)."""
+    return torch.rand(k + 1, generator=gen, dtype=torch.float64, device=device)
+
+
+def draw(law: torch.Tensor, u: torch.Tensor) -> int:
+    """(V,) probabilities and a 0-d uniform -> the token decode.sampling.sample draws with it."""
+    return int(sample(law[None], u=u.view(1, 1))[0])
 
 
 class Rule:
@@ -43,10 +56,16 @@ class Rule:
 
 
 class SpeculativeSampling(Rule):
-    """Leviathan et al. / Chen et al.: accept x with min(1, p/q), else resample norm(max(0, p - q))."""
+    """Leviathan et al. / Chen et al.: accept x with min(1, p/q), else resample norm(max(0, p - q)).
+
+    compiled: on the CPU, verify in decode.rule_kernel's one compiled call (False: the tensor ops, as on a GPU).
+    """
 
     lossless = True
     matches_greedily = True  # a one-hot p makes every alpha 0 or 1 and every residual p (verify_rows)
+
+    def __init__(self, compiled: bool = True):
+        self.compiled = compiled
 
     def verify(self, tokens, q, p, gen):
         return self.verify_rows([tokens.tolist()], q[:, None], p[None], [gen])[0]
@@ -55,23 +74,35 @@ class SpeculativeSampling(Rule):
         return L.residual(p_i, q_i)
 
     def verify_rows(self, tokens, q, p, gens):
-        """Each row: every alpha in one tensor op, the uniforms drawn one per candidate from the row's own stream,
-        in order, until a rejection; then the correction (or bonus) token. The rows' final draws are one inverse-CDF
-        over the batch, each with the uniform its row's stream gives at that point (as sample() alone draws it)."""
+        """Each row draws k + 1 uniforms from its own stream, one per candidate and one for the final draw, whatever
+        the outcome (so a row's stream never depends on another row's); accepts while u < alpha; then draws its next
+        token from its bonus p or, after a rejection, from resample() there, by inverse CDF with the last uniform.
+        On the CPU one compiled call does it all (decode.rule_kernel) unless a subclass changes resample()."""
         if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
             return greedy_rows(tokens, p)
-        laws, us, accepted = [], [], []
-        for r, t in enumerate(tokens):
-            k = len(t)
-            alphas = []
-            if k:
-                idx, tt = torch.arange(k, device=p.device), torch.tensor(t, device=p.device)
-                alphas = L.accept_prob(p[r, idx, tt], q[idx, r, tt]).tolist()
-            n = next((i for i, alpha in enumerate(alphas) if uniform(gens[r]).item() >= alpha), k)
-            laws.append(p[r, k] if n == k else self.resample(p[r, n], q[n, r]))
-            us.append(torch.rand(1, 1, generator=gens[r], dtype=torch.float64, device=p.device))
-            accepted.append(n)
-        return list(zip(accepted, sample(torch.stack(laws), u=torch.cat(us)).tolist()))
+        ks, dev = [len(t) for t in tokens], p.device
+        us = torch.cat([coins(g, k, dev) for k, g in zip(ks, gens)])
+        if (self.compiled and HAVE_NUMBA and dev.type == "cpu" and q is not None
+                and type(self).resample is SpeculativeSampling.resample):
+            return speculative_rows(as_numpy(p), as_numpy(q), tokens, us.numpy())
+        if any(ks):  # every alpha in one gather
+            at = torch.tensor([(r, i, x) for r, t in enumerate(tokens) for i, x in enumerate(t)], device=dev).T
+            host = torch.cat([L.accept_prob(p[at[0], at[1], at[2]], q[at[1], at[0], at[2]]).double(), us]).tolist()
+        else:
+            host = us.tolist()
+        alpha, u = host[: len(host) - len(us)], host[len(host) - len(us):]
+        accepted, a0, u0 = [], 0, 0
+        for k in ks:
+            accepted.append(next((i for i in range(k) if u[u0 + i] >= alpha[a0 + i]), k))
+            a0, u0 = a0 + k, u0 + k + 1
+        n = torch.tensor(accepted, device=dev)
+        laws = p[torch.arange(len(ks), device=dev), n]  # (R, V) each row's bonus law (a copy)
+        rejected = [r for r, (a, k) in enumerate(zip(accepted, ks)) if a < k]
+        if rejected:
+            at = torch.tensor(rejected, device=dev)
+            laws[at] = self.resample(laws[at], q[n[at], at])
+        last = torch.tensor(list(itertools.accumulate(k + 1 for k in ks)), device=dev) - 1
+        return list(zip(accepted, sample(laws, u=us[last][:, None]).tolist()))
 
 
 def greedy_verify(tokens: torch.Tensor, p: torch.Tensor) -> tuple[int, int]:
@@ -121,16 +152,18 @@ class FSD(Rule):
 
     def verify(self, tokens, q, p, gen):
         k = len(tokens)
+        us = coins(gen, k, p.device)  # as SpeculativeSampling draws them: rFSD at T = 0 is it, token for token
+        u = us.tolist()
         div = L.divergence(self.divergence, p[:k], q)
         for i, x in enumerate(tokens.tolist()):
             if div[i] <= self.threshold:
                 continue
             if self.relaxed:
-                if uniform(gen) < L.accept_prob(p[i, x], q[i, x]):
+                if u[i] < float(L.accept_prob(p[i, x], q[i, x])):
                     continue
-                return i, int(sample(L.residual(p[i], q[i]), gen))
-            return i, int(sample(p[i], gen))
-        return k, int(sample(p[k], gen))
+                return i, draw(L.residual(p[i], q[i]), us[k])
+            return i, draw(p[i], us[k])
+        return k, draw(p[k], us[k])
 
 
 class FLy(Rule):
@@ -171,6 +204,7 @@ class SprinterCheck(Rule):
     def verify(self, tokens, q, p, gen):
         k = len(tokens)
         x = int(tokens[-1])
-        if uniform(gen) < L.accept_prob(p[k - 1, x], q[k - 1, x]):
-            return k, int(sample(p[k], gen))
-        return k - 1, int(sample(L.residual(p[k - 1], q[k - 1]), gen))
+        us = coins(gen, 1, p.device)  # as SpeculativeSampling draws them for one candidate
+        if float(us[0]) < float(L.accept_prob(p[k - 1, x], q[k - 1, x])):
+            return k, draw(p[k], us[1])
+        return k - 1, draw(L.residual(p[k - 1], q[k - 1]), us[1])

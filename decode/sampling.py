@@ -124,11 +124,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: tor
     return idx.reshape(probs.shape[:-1])
 
 
-def uniform(generator: torch.Generator) -> torch.Tensor:
-    """One uniform in [0, 1) as a 0-d tensor on the generator's device (a rule's accept test)."""
-    return torch.rand((), generator=generator, device=generator.device)
-
-
 def pick_rows(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator],
               want_q: bool = True) -> tuple[list[int], torch.Tensor | None]:
     """(R, V) logits -> R next tokens and (R, V) their distributions: pick() over rows, row r drawing from

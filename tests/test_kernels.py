@@ -169,3 +169,28 @@ def test_a_gpu_step_reads_its_scalars_and_state_in_one_transfer():
     np.testing.assert_allclose(HeadPolicy._read_with_scalars(step, state), state.numpy(), rtol=1e-6)
     want = [float(a[0]) for a in draft_scalars(logits[None], [11])]
     assert [step.confidence, step.entropy, step.top1] == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+def test_compiled_speculative_sampling_gives_the_tensor_paths_verdicts():
+    """decode.rule_kernel against the rule's tensor ops on the same uniforms: 12 rows of ragged candidates drawn from
+    q (some rows none), targets from near the draft to far from it and a top-p-like one with tokens of no mass, over
+    40 seeds: every (accepted, next token) equal, with rejections, full acceptances and bonus draws among them."""
+    g = np.random.default_rng(0)
+    rows, m, v = 12, 5, 300
+    scale = np.array([0.3, 1, 3, 5, 1, 3, 0.3, 1, 3, 5, 1, 3], np.float32)[:, None, None]
+    q = torch.from_numpy(g.standard_normal((rows, m, v)).astype(np.float32) * scale)
+    p = q[:, :1].expand(rows, m + 1, v) * 0.5 + torch.from_numpy(g.standard_normal((rows, m + 1, v)).astype(np.float32))
+    p[3, :, ::2] = -np.inf  # the target gives half the vocabulary no mass
+    q, p = q.softmax(-1).transpose(0, 1).contiguous(), p.softmax(-1)  # (M, R, V) and (R, M + 1, V)
+    ks = [0, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1, 5]
+    tokens = [[int(torch.multinomial(q[i, r], 1, generator=torch.Generator().manual_seed(r * 10 + i))) for i in range(k)]
+              for r, k in enumerate(ks)]
+    fast, slow = SpeculativeSampling(), SpeculativeSampling(compiled=False)
+    seen = []
+    for seed in range(40):
+        def gens():
+            return [torch.Generator().manual_seed(seed * 100 + r) for r in range(rows)]
+        got = fast.verify_rows(tokens, q, p, gens())
+        assert got == slow.verify_rows(tokens, q, p, gens())
+        seen += [(n, k) for (n, _), k in zip(got, ks)]
+    assert any(n < k for n, k in seen) and any(n == k > 0 for n, k in seen)
