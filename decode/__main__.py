@@ -8,6 +8,7 @@
 
 Policies (decode.policies) and rules (decode.rules) are chosen by class name or class_path,
 with their typed init arguments; `--head DIR` alone means SpecDec++ stopping with that head.
+Every command first fixes glibc's malloc thresholds (decode.allocator; SPECHEADS_MALLOC=default keeps them).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from decode.allocator import steady_heap  # noqa: E402
 from decode.policies import FixedK, HeadPolicy, Policy, SpecDecPP  # noqa: E402
 from decode.rules import Rule, SpeculativeSampling  # noqa: E402
 
@@ -145,6 +147,7 @@ def bench(argv: list[str]) -> None:
 
 
 def main() -> None:
+    steady_heap()  # every command decodes: freed tensor memory serves the next forward (decode.allocator)
     # bench takes its own --config (the bench YAML), which jsonargparse would read as its own option.
     if len(sys.argv) > 1 and sys.argv[1] == "bench":
         return bench(sys.argv[2:])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decode import rule_kernel
 from decode.batch_control import BatchControl, RowsStep, control_of
 from decode.batch_costs import batch_costs, table_sizes
 from decode.costs import clock, head_cost, measure_costs
@@ -27,7 +28,6 @@ from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache, compaction
 from decode.rules import Rule, greedy_rows
 from decode.sampling import argmax, pick_rows, transform
-from decode import rule_kernel
 from heads import kernels
 
 

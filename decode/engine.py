@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode import rule_kernel
 from decode.costs import clock, head_cost, measure_costs
 from decode.kvcache import crop_cache, forward, rollback_cache
 from decode.labels import accept_prob
@@ -21,7 +22,6 @@ from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule, greedy_rows
 from decode.sampling import one_hots, pick, transform
-from decode import rule_kernel
 from heads import kernels
 
 

@@ -1,8 +1,12 @@
+import platform
+import sys
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from decode import labels as L
+from decode.allocator import steady_heap
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.policies import FixedK, Oracle, SamplingMismatch, SpecDecPP, SprinterVerifier
 from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck
@@ -311,3 +315,12 @@ def test_the_batch_one_head_path_reads_what_the_batched_one_does():
     for run in (0, 3, 40):
         built = spec.build(hidden, torch.tensor(1.5), torch.tensor(0.4), torch.tensor(1e-30), accepted_run=torch.tensor(run))
         assert spec.row(hidden.numpy(), 1.5, 0.4, 1e-30, run) == pytest.approx(built.numpy(), rel=1e-6)
+
+
+def test_steady_heap_fixes_glibcs_thresholds_or_says_it_did_not(monkeypatch):
+    """decode.allocator: on Linux with glibc the thresholds are set (mallopt reports success); SPECHEADS_MALLOC=default
+    and other C libraries leave the allocator alone and say so."""
+    monkeypatch.setenv("SPECHEADS_MALLOC", "default")
+    assert steady_heap() is False
+    monkeypatch.delenv("SPECHEADS_MALLOC")
+    assert steady_heap() is (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
