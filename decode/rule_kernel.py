@@ -1,6 +1,6 @@
 """Speculative sampling's verification of a batch of rows in one compiled call, for decoding on the CPU.
 
-    accepted, tokens = speculative_rows(p, q, tokens, ks, us)
+    verdicts = speculative_rows(p, q, tokens, us)  # each row's (accepted, next token)
 
 The tensor path (decode.rules.SpeculativeSampling.verify_rows) runs about 20 tensor ops a round, each on caches the
 target's forward left cold: 300 us a round at batch 1 and 750 at batch 8 at T = 1 on the embedded pair, 3.5-4.5% of
