@@ -27,6 +27,7 @@ from lightning.pytorch.cli import LightningCLI
 from data_gen.module import Labeller, PromptData, ShardWriter
 from data_gen.quiet import own_args, quiet_lightning
 from data_gen.store import done_ids, load_split, shard_dirs
+from decode.allocator import steady_heap
 from decode.pair import PairConfig, Sampling
 
 JS_THRESHOLDS = (0.05, 0.1, 0.2, 0.3)
@@ -127,6 +128,7 @@ def stop_message(cli, stop: Interrupted) -> str:
 
 
 def main(args=None) -> None:
+    steady_heap()  # freed vocabulary-sized tensors serve the next batch (decode.allocator)
     try:
         run(args)
     except Interrupted as stop:

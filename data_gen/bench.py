@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from data_gen.generate import Mixing, Phases, RowNoise, label_batch, left_pad, prompt_generator, sample_responses
 from data_gen.prompts import PromptSet
+from decode.allocator import steady_heap
 from decode.evaluation.intervals import bootstrap_ci
 from decode.pair import load_pair
 
@@ -60,6 +61,7 @@ def verdict(lo: float, hi: float, goal: float, at_most: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    steady_heap()  # as python -m data_gen labels (decode.allocator)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="configs/pairs/pycode.yaml")
     ap.add_argument("--prompts", type=int, default=48)
