@@ -351,9 +351,17 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.expected = 1.0  # the round's expected progress as decided so far (a plain step's: 1)
         return self.max_len if self.mode[1] else 0
 
+    def _stretch(self) -> np.ndarray:
+        """This size's drafting-stretch counters (stretches' row), made on first use: setdefault would build a
+        fresh array on every drafted round's two updates."""
+        got = self.stretches.get(self.bucket)
+        if got is None:
+            got = self.stretches[self.bucket] = np.zeros(5)
+        return got
+
     def timed(self, ms):
         if self.k:
-            self.stretches.setdefault(self.bucket, np.zeros(5))[3:] += (ms, self.c[self.k])
+            self._stretch()[3:] += (ms, self.c[self.k])
         else:
             got = self.plain_ms.get(self.bucket) or self.plain_ms.setdefault(self.bucket, [0.0, 0.0])
             got[0] += ms  # Python floats: a plain step's bookkeeping is as lean as the target alone's
@@ -404,7 +412,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
         self.spent += self.c[self.k]
         if self.k:  # the round's progress: the rows' most remaining before it less the most after what each emitted
             done = float(self.reach.max() - (self.reach - 1 - np.asarray(accepted)).max())
-            self.stretches.setdefault(self.bucket, np.zeros(5))[:3] += (1.0, done, self.k)
+            self._stretch()[:3] += (1.0, done, self.k)
         if not any(drafted):  # a plain step: every row's run grows by its one token (added at the next drafting begin)
             self.plain_steps += 1
             return
