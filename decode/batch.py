@@ -28,13 +28,14 @@ from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache, compaction
 from decode.rules import Rule, greedy_rows
 from decode.sampling import argmax, pick_rows, transform
+from decode.streams import Streams
 from heads import kernels
 
 
-def row_generators(pair: Pair, seed: int, n: int) -> list[torch.Generator]:
-    """Row i's own stream (seed + i), on the device its draws are used: its draws do not depend on which rows share
-    its batch."""
-    return [torch.Generator(device=pair.device).manual_seed(seed + i) for i in range(n)]
+def row_streams(pair: Pair, seed: int, n: int) -> Streams:
+    """Row i's own stream (seed + i), its draws on the pair's device: they do not depend on which rows share its
+    batch. The engine's one sequence draws from Streams([seed]), so a row alone draws what the engine does."""
+    return Streams(range(seed, seed + n), pair.device)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class BatchDecoder:
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
         stats, t_start, ctx = Stats(), self.now(), self.pair.config.max_context
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
-        gens, calls = row_generators(self.pair, self.seed, n), []
+        streams, calls = row_streams(self.pair, self.seed, n), []
         draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=ctl.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
         t0 = self.now()  # the draft reads the prompts with its first round (a request that never drafts never does)
@@ -119,11 +120,11 @@ class BatchDecoder:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
             k_max = min(ctl.begin(len(rows), limits), max(limits))
-            tokens, q, read = self._draft(draft, rows, text, gens, limits, k_max, stats)
+            tokens, q, read = self._draft(draft, rows, text, streams.select(rows), limits, k_max, stats)
             logits = self._verify_logits(target, rows, text.pending, tokens, first, stats)
             first = None
             t0 = self.now()
-            verdicts = self._verdicts(tokens, q, logits, [gens[r] for r in rows])
+            verdicts = self._verdicts(tokens, q, logits, streams.select(rows))
             if any(tokens):
                 done = self._commit(text, rows, tokens, verdicts, read, stats, target, draft)
                 ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
@@ -164,17 +165,17 @@ class BatchDecoder:
         draft.keep(torch.tensor(keep_d))
         return done
 
-    def _verdicts(self, tokens, q, logits, row_gens) -> list[tuple[int, int]]:
+    def _verdicts(self, tokens, q, logits, row_streams: Streams) -> list[tuple[int, int]]:
         """Each row's (accepted, next token): the rule's verification, or in a plain target step (no candidates) the
         target's own pick, as the target alone draws it (the rule's bonus token has the same law, at more cost)."""
         s = self.pair.config.sampling
         greedy = self.rule.decides_by_argmax(s)  # as in the engine
         if not any(tokens):
-            picks = argmax(logits[:, 0]).tolist() if greedy else pick_rows(logits[:, 0], s, row_gens, want_q=False)[0]
+            picks = argmax(logits[:, 0]).tolist() if greedy else pick_rows(logits[:, 0], s, row_streams, want_q=False)[0]
             return [(0, t) for t in picks]
         if greedy:
             return greedy_rows(tokens, logits)
-        return self.rule.verify_rows(tokens, q, transform(logits, s), row_gens)
+        return self.rule.verify_rows(tokens, q, transform(logits, s), row_streams)
 
     def _verify_logits(self, target: RowCache, rows, pending, tokens, first, stats) -> torch.Tensor:
         """(B, M + 1, V) the target's logits after each row's pending token and after each of its candidates: one
@@ -189,7 +190,7 @@ class BatchDecoder:
         stats.target_calls += 1
         return logits if first is None else torch.cat([first, logits], 1)
 
-    def _draft(self, draft: RowCache, rows, text: Texts, gens, limits, k_max, stats):
+    def _draft(self, draft: RowCache, rows, text: Texts, row_streams: Streams, limits, k_max, stats):
         """One drafting round for every row -> each row's candidates, (M, R, V) their q (None if none, or if greedy
         verification reads none) and the tokens each row's draft cache holds of real text. A row stops on its own (the control or its limit); the batch
         drafts while any row does, feeding a stopped row filler that the round's keep() cuts. As in the engine, a
@@ -200,7 +201,6 @@ class BatchDecoder:
             return tokens, None, draft.length.tolist()
         s, own = self.pair.config.sampling, self.control.reads_own_state
         want_q = not self.rule.decides_by_argmax(s)  # else verification reads no q (_verdicts)
-        row_gens = [gens[r] for r in rows]
         unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
         t0 = self.now()
         logits, hidden = draft.feed(unread)
@@ -212,12 +212,12 @@ class BatchDecoder:
         while True:
             t0 = self.now()
             if len(live) < len(rows):  # only rows still drafting draw (a row's stream never depends on others)
-                picked, q_live = pick_rows(raw[torch.tensor(live)], s, [row_gens[i] for i in live], want_q)
+                picked, q_live = pick_rows(raw[torch.tensor(live)], s, row_streams.select(live), want_q)
                 q = None if q_live is None else \
                     raw.new_zeros(raw.shape).index_copy_(0, torch.tensor(live, device=raw.device), q_live)
                 picked = dict(zip(live, picked))
             else:
-                picked, q = pick_rows(raw, s, row_gens, want_q)
+                picked, q = pick_rows(raw, s, row_streams, want_q)
             stats.t_sample += self.now() - t0
             qs.append(q)
             for i in live:
@@ -275,13 +275,13 @@ class BatchAutoregressive:
             check_prompt(self.pair, ids, max_new_tokens)
         n, stats, t_start = len(prompts), Stats(), self.now()
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
-        gens = row_generators(self.pair, self.seed, n)
+        streams = row_streams(self.pair, self.seed, n)
         cache = RowCache(getattr(self.pair, self.which), self.pair, n, self.which, stats.calls)
         logits, _ = cache.prefill([list(ids) for ids in prompts])  # the first token comes from the prefill
         rows, nxt, out = list(range(n)), [0] * n, [[] for _ in prompts]
         ends = [0.0] * n
         while True:
-            picked, _ = pick_rows(logits, self.pair.config.sampling, [gens[r] for r in rows], want_q=False)
+            picked, _ = pick_rows(logits, self.pair.config.sampling, streams.select(rows), want_q=False)
             gone = []
             for i, (r, tok) in enumerate(zip(rows, picked)):
                 out[r].append(tok)

@@ -28,6 +28,7 @@ import torch
 from decode.kvcache import crop_cache, forward, rollback_cache
 from decode.pair import Pair, input_device
 from decode.sampling import argmax, pick, sample, transform
+from decode.streams import Streams
 
 MODELS = ("draft", "target")
 
@@ -70,7 +71,7 @@ class _Timer:
     def __init__(self, pair, prefix: torch.Tensor, growth: int):
         self.models = {m: getattr(pair, m) for m in MODELS}
         self.prefix, self.growth, self.pair = prefix.to(pair.input_device("target")), growth, pair
-        self.gen = torch.Generator(device=pair.device).manual_seed(0)
+        self.gen = Streams([0], pair.device)
         self.now = clock(pair.device)
         self.caches = {m: rollback_cache() for m in MODELS}
         with torch.no_grad():

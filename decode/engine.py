@@ -22,6 +22,7 @@ from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.rules import Rule, greedy_rows
 from decode.sampling import one_hots, pick, transform
+from decode.streams import Streams
 from heads import kernels
 
 
@@ -132,7 +133,7 @@ class SpeculativeDecoder:
 
     def __init__(self, pair: Pair, policy: Policy, rule: Rule, seed: int = 0):
         self.pair, self.policy, self.rule = pair, policy, rule
-        self.gen = torch.Generator(device=pair.device).manual_seed(seed)
+        self.gen = Streams([seed], pair.device)
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
         rule_kernel.warm(pair.vocab)
@@ -299,7 +300,7 @@ class Autoregressive:
 
     def __init__(self, pair: Pair, which: str = "target", seed: int = 0):
         self.pair, self.which = pair, which
-        self.gen = torch.Generator(device=pair.device).manual_seed(seed)
+        self.gen = Streams([seed], pair.device)
         self.now = clock(pair.device)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:

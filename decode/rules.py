@@ -16,12 +16,13 @@ from decode import labels as L
 from decode.pair import Sampling
 from decode.rule_kernel import HAVE_NUMBA, speculative_rows
 from decode.sampling import argmax, as_numpy, sample
+from decode.streams import Streams
 
 
-def coins(gen: torch.Generator, k: int, device) -> torch.Tensor:
-    """(k + 1,) float64 uniforms from gen: one per candidate's accept test, then the final draw's (every rule that
-    draws takes them so, so rules that coincide in law also coincide token for token on one seed)."""
-    return torch.rand(k + 1, generator=gen, dtype=torch.float64, device=device)
+def coins(gen: Streams, k: int) -> torch.Tensor:
+    """(k + 1,) float64 uniforms from one row's stream: one per candidate's accept test, then the final draw's (every
+    rule that draws takes them so, so rules that coincide in law also coincide token for token on one seed)."""
+    return gen.draw([k + 1])
 
 
 def draw(law: torch.Tensor, u: torch.Tensor) -> int:
@@ -41,17 +42,19 @@ class Rule:
         """Does the target's argmax alone decide verification under s? Then a decoder builds no one-hot p or q."""
         return s.temperature == 0 and self.matches_greedily
 
-    def verify(self, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
+    def verify(self, tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: Streams) -> tuple[int, int]:
+        """(k,) candidates, (k, V) q, (k + 1, V) p, one row's stream -> (accepted count, next token)."""
         raise NotImplementedError
 
     def verify_rows(self, tokens: list[list[int]], q: torch.Tensor | None, p: torch.Tensor,
-                    gens: list[torch.Generator]) -> list[tuple[int, int]]:
+                    streams: Streams) -> list[tuple[int, int]]:
         """verify() over a batch (decode.batch): row r's candidates tokens[r], (M, R, V) q (row r's in q[:k_r, r];
-        None when nothing was drafted), (R, M + 1, V) p (row r's in p[r, :k_r + 1]), its own generator gens[r]."""
+        None when nothing was drafted), (R, M + 1, V) p (row r's in p[r, :k_r + 1]), its own stream (streams' row r)."""
         out = []
         for r, t in enumerate(tokens):
             q_r = q[: len(t), r] if q is not None else p.new_zeros(0, p.shape[-1])
-            out.append(self.verify(torch.tensor(t, dtype=torch.long, device=p.device), q_r, p[r, : len(t) + 1], gens[r]))
+            out.append(self.verify(torch.tensor(t, dtype=torch.long, device=p.device), q_r, p[r, : len(t) + 1],
+                                   streams.select([r])))
         return out
 
 
@@ -68,12 +71,12 @@ class SpeculativeSampling(Rule):
         self.compiled = compiled
 
     def verify(self, tokens, q, p, gen):
-        return self.verify_rows([tokens.tolist()], q[:, None], p[None], [gen])[0]
+        return self.verify_rows([tokens.tolist()], q[:, None], p[None], gen)[0]
 
     def resample(self, p_i: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
         return L.residual(p_i, q_i)
 
-    def verify_rows(self, tokens, q, p, gens):
+    def verify_rows(self, tokens, q, p, streams):
         """Each row draws k + 1 uniforms from its own stream, one per candidate and one for the final draw, whatever
         the outcome (so a row's stream never depends on another row's); accepts while u < alpha; then draws its next
         token from its bonus p or, after a rejection, from resample() there, by inverse CDF with the last uniform.
@@ -81,10 +84,10 @@ class SpeculativeSampling(Rule):
         if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
             return greedy_rows(tokens, p)
         ks, dev = [len(t) for t in tokens], p.device
-        us = torch.cat([coins(g, k, dev) for k, g in zip(ks, gens)])
         if (self.compiled and HAVE_NUMBA and dev.type == "cpu" and q is not None
                 and type(self).resample is SpeculativeSampling.resample):
-            return speculative_rows(as_numpy(p), as_numpy(q), tokens, us.numpy())
+            return speculative_rows(as_numpy(p), as_numpy(q), tokens, streams.draw_numpy([k + 1 for k in ks]))
+        us = streams.draw([k + 1 for k in ks])
         if any(ks):  # every alpha in one gather
             at = torch.tensor([(r, i, x) for r, t in enumerate(tokens) for i, x in enumerate(t)], device=dev).T
             host = torch.cat([L.accept_prob(p[at[0], at[1], at[2]], q[at[1], at[0], at[2]]).double(), us]).tolist()
@@ -133,7 +136,7 @@ class GreedyMatch(Rule):
     def verify(self, tokens, q, p, gen):
         return greedy_verify(tokens, p)
 
-    def verify_rows(self, tokens, q, p, gens):
+    def verify_rows(self, tokens, q, p, streams):
         return greedy_rows(tokens, p)
 
 
@@ -152,7 +155,7 @@ class FSD(Rule):
 
     def verify(self, tokens, q, p, gen):
         k = len(tokens)
-        us = coins(gen, k, p.device)  # as SpeculativeSampling draws them: rFSD at T = 0 is it, token for token
+        us = coins(gen, k)  # as SpeculativeSampling draws them: rFSD at T = 0 is it, token for token
         u = us.tolist()
         div = L.divergence(self.divergence, p[:k], q)
         for i, x in enumerate(tokens.tolist()):
@@ -204,7 +207,7 @@ class SprinterCheck(Rule):
     def verify(self, tokens, q, p, gen):
         k = len(tokens)
         x = int(tokens[-1])
-        us = coins(gen, 1, p.device)  # as SpeculativeSampling draws them for one candidate
+        us = coins(gen, 1)  # as SpeculativeSampling draws them for one candidate
         if float(us[0]) < float(L.accept_prob(p[k - 1, x], q[k - 1, x])):
             return k, draw(p[k], us[1])
         return k - 1, draw(L.residual(p[k - 1], q[k - 1]), us[1])

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from decode.pair import Sampling
+from decode.streams import Streams
 
 
 def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -65,7 +66,7 @@ def one_hots(tokens: list[int], vocab: int) -> torch.Tensor:
     return torch.from_numpy(q)
 
 
-def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None,
+def pick(logits: torch.Tensor, s: Sampling, generator: Streams | torch.Generator | None = None,
          want_q: bool = True) -> tuple[int, torch.Tensor | None]:
     """(V,) logits -> the next token and (V,) its distribution under s, as decoding reads them.
 
@@ -103,9 +104,10 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.from_numpy(p >= np.take_along_axis(desc, kept - 1, axis=-1))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., V) probabilities -> (...) token ids, one uniform per row from `generator` (or the (rows, 1) float64
-    uniforms u, drawn by the caller: decode.batch's rows each draw from their own stream).
+def sample(probs: torch.Tensor, generator: Streams | torch.Generator | None = None,
+           u: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., V) probabilities -> (...) token ids, one uniform per row from `generator` (decode.streams' Streams: one
+    stream per row) or the (rows, 1) float64 uniforms u, drawn by the caller.
 
     Inverse CDF: the first token whose running mass exceeds u times the total. Over a 4096-token
     vocabulary torch.multinomial took 192 us a draw here and this takes 122 (an isolated loop); in
@@ -116,7 +118,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: tor
     """
     flat = probs.detach().reshape(-1, probs.shape[-1]).double()
     cum = flat.cumsum(-1)
-    if u is None:
+    if isinstance(generator, Streams):
+        u = generator.draw(1)[:, None]
+    elif u is None:
         u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
     idx = torch.searchsorted(cum, u * cum[:, -1:], right=True)
     # u * total can round up to the total: take the last token with mass (the first maximum of the sums)
@@ -124,14 +128,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None, u: tor
     return idx.reshape(probs.shape[:-1])
 
 
-def pick_rows(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator],
+def pick_rows(logits: torch.Tensor, s: Sampling, streams: Streams,
               want_q: bool = True) -> tuple[list[int], torch.Tensor | None]:
     """(R, V) logits -> R next tokens and (R, V) their distributions: pick() over rows, row r drawing from
-    generators[r] exactly what pick() draws from it alone (one uniform), so a row's tokens do not depend on its
-    batch. One host read for the R tokens. Greedy: the argmax, and its one-hot rows only if want_q (None else)."""
+    streams' row r exactly what pick() draws from that row alone (one uniform), so a row's tokens do not depend on
+    its batch. One host read for the R tokens. Greedy: the argmax, and its one-hot rows only if want_q (None else)."""
     if s.temperature == 0:
         best = argmax(logits)
         return best.tolist(), one_hot_at(best, logits) if want_q else None
     q = transform(logits, s)
-    u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=q.device) for g in generators])
-    return sample(q, u=u).tolist(), q
+    return sample(q, streams).tolist(), q

@@ -11,6 +11,7 @@ from decode.batch_control import BatchCostAware, RowsStep
 from decode.engine import SpeculativeDecoder
 from decode.policies import CostAwareStop, DraftStep, FixedK, SpecDecPP, draft_scalars
 from decode.rules import SpeculativeSampling
+from decode.streams import Streams
 from heads import EXTRAS, AcceptanceHead, kernels
 from tests.test_decode import PROMPTS, export_head
 
@@ -188,8 +189,8 @@ def test_compiled_speculative_sampling_gives_the_tensor_paths_verdicts():
     fast, slow = SpeculativeSampling(), SpeculativeSampling(compiled=False)
     seen = []
     for seed in range(40):
-        def gens():
-            return [torch.Generator().manual_seed(seed * 100 + r) for r in range(rows)]
+        def gens(seed=seed):
+            return Streams([seed * 100 + r for r in range(rows)])
         got = fast.verify_rows(tokens, q, p, gens())
         assert got == slow.verify_rows(tokens, q, p, gens())
         seen += [(n, k) for (n, _), k in zip(got, ks)]

@@ -40,6 +40,7 @@ from decode.evaluation.quality import quality
 from decode.evaluation.report import from_root, pareto_plot, quality_plot, slug, table, write_readme
 from decode.hf import head_assistant, hf_generate
 from decode.pair import Pair, Sampling, load_pair
+from decode.streams import Streams
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +120,7 @@ def generator_for(pair: Pair, m: Method):
     dec = Decoder(pair, build(m.policy), build(m.rule), seed=0)
 
     def run(ids, n, seed):
-        dec.gen.manual_seed(seed)
+        dec.gen = Streams([seed], pair.device)  # the seed's stream, as a decoder made with it draws
         g = dec.generate(ids, n)
         return g.tokens, g.stats
 
