@@ -283,3 +283,26 @@ def test_the_batch_bench_reports_its_noise_floor_from_the_target_alone_run_twice
             row("batch controller", 8, [100.0, 200.0])]
     assert "B = 8 1.02x (0.95-1.10)." in markdown(rows)
     assert "no A/A check" in markdown(rows[:1] + rows[2:])
+
+
+def test_the_batch_bench_runs_every_method_once_per_batch_in_seeded_shuffled_orders():
+    """measure(): each batch runs every method once, in an order drawn from the seed and the batch's index, so no
+    method always follows the same neighbour, and a rerun with the seed runs the same orders."""
+    from decode.evaluation.batch import measure
+
+    calls = []
+
+    def method(name):
+        def run(batch, seed):
+            calls.append(name)
+            return [[1] * 4 for _ in batch], 2.0, 0.5, None, None
+        return run
+
+    methods = {n: method(n) for n in "abcdef"}
+    res = measure(None, methods, [[[1]]] * 8, 3, "t")
+    orders = [calls[i * 6:(i + 1) * 6] for i in range(8)]
+    assert all(sorted(o) == list("abcdef") for o in orders) and res["a"] == [(2.0, 0.5, None, None)] * 8
+    assert len({o[o.index("a") + 1] if o[-1] != "a" else None for o in orders}) > 1  # a's follower changes
+    calls.clear()
+    measure(None, methods, [[[1]]] * 8, 3, "t")
+    assert [calls[i * 6:(i + 1) * 6] for i in range(8)] == orders

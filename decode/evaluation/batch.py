@@ -4,7 +4,7 @@
 
 For each sampling setting and batch size B, the test prompts are cut into batches of B (each prompt's last
 prompt_tokens tokens: a padded batch attends over its longest row); every method decodes each batch, back to back
-in an order rotated per batch, from the same row seeds. Under the settings named in ignore_eos (T = 1) every row
+in a seeded random order per batch, from the same row seeds. Under the settings named in ignore_eos (T = 1) every row
 decodes max_new_tokens through its EOS, as serving benchmarks fix output lengths: each method draws other text, and
 where rows stop at EOS a batch's tok/s is set by where its draws put the EOS. A method's speedup is the mean over batches of its tok/s
 over our batched target alone on the same batch, with a 95% bootstrap interval over batches (paired).
@@ -143,12 +143,14 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
 
 
 def measure(pair: Pair, methods: dict, groups: list[list[list[int]]], seed: int, label: str) -> dict[str, list]:
-    """name -> per batch (tok/s, row latency s, peak KV bytes, drafted); methods interleaved, order rotated per batch."""
+    """name -> per batch (tok/s, row latency s, peak KV bytes, drafted); methods interleaved, in a seeded random order
+    per batch: a rotation kept each method behind the same neighbour, whose leftovers (the heap it grew, caches it
+    warmed) then biased one method's every batch the same way."""
     names, res = list(methods), {m: [] for m in methods}
     for i, batch in enumerate(groups):
         t0 = time.perf_counter()
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
+        for j in np.random.default_rng([seed, i]).permutation(len(names)):
+            name = names[j]
             tokens, wall, latency, peak, drafted = methods[name](batch, seed + 1000 * i)
             res[name].append((sum(map(len, tokens)) / max(wall, 1e-9), latency, peak, drafted))
         print(f"batch-bench {label}: batch {i + 1}/{len(groups)} of {len(batch)} rows, {time.perf_counter() - t0:.1f} s",
@@ -256,7 +258,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def noise_floor(sub: list[dict], sizes: list[int]) -> str:
-    """The target alone decoded twice on every batch, in the rotation with the other methods: the per-batch ratios
+    """The target alone decoded twice on every batch, in the shuffle with the other methods: the per-batch ratios
     of the second run over the first are what this run's machine noise does to one batch (an A/A check). (The dev
     table at K = 0 is no such check: once rows leave, a smaller size's K applies.)"""
     cell = {(r["method"], r["batch_size"]): r for r in sub}
