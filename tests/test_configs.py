@@ -40,15 +40,17 @@ def recipe_heads() -> set[str]:
     return names
 
 
-SECTION_BENCHES = sorted(p for p in (ROOT / "configs" / "bench").glob("*.yaml") if p.name != "batch.yaml")
+BATCH_BENCHES = sorted((ROOT / "configs" / "bench").glob("batch*.yaml"))
+SECTION_BENCHES = sorted(p for p in (ROOT / "configs" / "bench").glob("*.yaml") if p not in BATCH_BENCHES)
 
 
-def test_the_batch_bench_config_is_its_schema_and_names_existing_heads():
-    """configs/bench/batch.yaml parses into decode.evaluation.batch's typed schema; every setting has its head."""
+@pytest.mark.parametrize("path", BATCH_BENCHES, ids=lambda p: p.stem)
+def test_the_batch_bench_configs_are_their_schema_and_name_existing_heads(path):
+    """configs/bench/batch*.yaml parse into decode.evaluation.batch's typed schema; every setting has its head."""
     from decode.evaluation.batch import BatchBenchConfig, suffix
     from decode.pair import Sampling
 
-    cfg = BatchBenchConfig(**yaml.safe_load((ROOT / "configs" / "bench" / "batch.yaml").read_text()))
+    cfg = BatchBenchConfig(**yaml.safe_load(path.read_text()))
     assert cfg.batch_sizes == sorted(cfg.batch_sizes) and all(b >= 1 for b in cfg.batch_sizes)
     for raw in cfg.settings:
         head = ROOT / cfg.head.format(suffix=suffix(Sampling.of(raw)))
