@@ -103,7 +103,7 @@ class BatchDecoder:
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
         stats, t_start, ctx = Stats(), self.now(), self.pair.config.max_context
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
-        streams, calls = row_streams(self.pair, self.seed, n), []
+        streams, calls = row_streams(self.pair, self.seed, n), []  # the streams of the rows still decoding
         draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=ctl.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
         t0 = self.now()  # the draft reads the prompts with its first round (a request that never drafts never does)
@@ -120,11 +120,11 @@ class BatchDecoder:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
             k_max = min(ctl.begin(len(rows), limits), max(limits))
-            tokens, q, read = self._draft(draft, rows, text, streams.select(rows), limits, k_max, stats)
+            tokens, q, read = self._draft(draft, rows, text, streams, limits, k_max, stats)
             logits = self._verify_logits(target, rows, text.pending, tokens, first, stats)
             first = None
             t0 = self.now()
-            verdicts = self._verdicts(tokens, q, logits, streams.select(rows))
+            verdicts = self._verdicts(tokens, q, logits, streams)
             if any(tokens):
                 done = self._commit(text, rows, tokens, verdicts, read, stats, target, draft)
                 ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
@@ -143,6 +143,7 @@ class BatchDecoder:
                 draft.select(torch.tensor(stay, dtype=torch.long))
                 ctl.select(stay)
                 rows = [rows[i] for i in stay]
+                streams = streams.select(stay)
             ctl.timed(1e3 * (self.now() - t_round))
         stats.new_tokens, stats.wall, stats.calls = sum(map(len, text.out)), self.now() - t_start, calls
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
@@ -275,13 +276,13 @@ class BatchAutoregressive:
             check_prompt(self.pair, ids, max_new_tokens)
         n, stats, t_start = len(prompts), Stats(), self.now()
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
-        streams = row_streams(self.pair, self.seed, n)
+        streams = row_streams(self.pair, self.seed, n)  # the streams of the rows still decoding
         cache = RowCache(getattr(self.pair, self.which), self.pair, n, self.which, stats.calls)
         logits, _ = cache.prefill([list(ids) for ids in prompts])  # the first token comes from the prefill
         rows, nxt, out = list(range(n)), [0] * n, [[] for _ in prompts]
         ends = [0.0] * n
         while True:
-            picked, _ = pick_rows(logits, self.pair.config.sampling, streams.select(rows), want_q=False)
+            picked, _ = pick_rows(logits, self.pair.config.sampling, streams, want_q=False)
             gone = []
             for i, (r, tok) in enumerate(zip(rows, picked)):
                 out[r].append(tok)
@@ -293,6 +294,7 @@ class BatchAutoregressive:
                 stay = compaction(len(rows), gone)
                 cache.select(torch.tensor(stay, dtype=torch.long))
                 rows = [rows[i] for i in stay]
+                streams = streams.select(stay)
             if not rows:
                 break
             logits = cache.feed([[nxt[r]] for r in rows])[0][:, 0]

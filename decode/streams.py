@@ -21,8 +21,6 @@ _MASK = (1 << 64) - 1
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (the odd integer nearest 2^64 / golden ratio)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S11 = (np.uint64(s) for s in (30, 27, 31, 11))
-
-
 _FEW = 16  # draws at most this many go through Python ints (a few us at batch 1, where numpy's dozen calls take 17)
 
 
