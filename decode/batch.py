@@ -22,7 +22,7 @@ from decode import rule_kernel
 from decode.batch_control import BatchControl, RowsStep, control_of
 from decode.batch_costs import batch_costs, table_sizes
 from decode.costs import clock, head_cost, measure_costs
-from decode.engine import Generation, Stats, check_prompt
+from decode.engine import Generation, Stats, check_prompts
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache, compaction
@@ -94,8 +94,10 @@ class BatchDecoder:
         """B prompts (token ids, any lengths) -> B generations, each stopping at its own EOS or max_new_tokens; a
         generation's stats.wall is when its row finished (per-row latency). stop_at_eos=False decodes every row to
         max_new_tokens, through its EOS (vLLM's ignore_eos: a throughput bench's fixed lengths)."""
-        for ids in prompts:
-            check_prompt(self.pair, ids, max_new_tokens)
+        check_prompts(self.pair, prompts, max_new_tokens)
+        if not prompts or not max_new_tokens:  # nothing to decode: no forward, as the engine returns no tokens
+            self.stats, self.peak_bytes = Stats(), 0
+            return [Generation([], "", Stats()) for _ in prompts]
         ctl, n = self.control, len(prompts)
         if ctl.needs_batch_costs and ctl.costs is None:
             sizes = self.cost_sizes or table_sizes(n)
@@ -120,6 +122,8 @@ class BatchDecoder:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
             k_max = min(ctl.begin(len(rows), limits), max(limits))
+            if k_max:
+                k_max = self._fit(draft, target, rows, text, k_max)
             tokens, q, read = self._draft(draft, rows, text, streams, limits, k_max, stats)
             logits = self._verify_logits(target, rows, text.pending, tokens, first, stats)
             first = None
@@ -149,6 +153,15 @@ class BatchDecoder:
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
+
+    @staticmethod
+    def _fit(draft: RowCache, target: RowCache, rows, text: Texts, k_max: int) -> int:
+        """The round's most candidates, capped so neither cache grows past its model's width limit (RowCache.room).
+        Each row fits alone (its limit keeps its text within the context); only a row near the context's end beside
+        rows that draft more can lower the others' count, and only on models whose width is bounded."""
+        unread = max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length))
+        fit = min(k_max, draft.room(unread + k_max - 1) - unread + 1, target.room(k_max + 1) - 1)
+        return max(0, fit)
 
     @staticmethod
     def _commit(text: Texts, rows, tokens, verdicts, read, stats, target: RowCache, draft: RowCache) -> list[int]:
@@ -272,8 +285,10 @@ class BatchAutoregressive:
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True) -> list[Generation]:
         """B prompts -> B generations, one forward of the batch per token (the first token's is the prefill);
         stop_at_eos as BatchDecoder.generate's."""
-        for ids in prompts:
-            check_prompt(self.pair, ids, max_new_tokens)
+        check_prompts(self.pair, prompts, max_new_tokens)
+        if not prompts or not max_new_tokens:
+            self.stats, self.peak_bytes = Stats(), 0
+            return [Generation([], "", Stats()) for _ in prompts]
         n, stats, t_start = len(prompts), Stats(), self.now()
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
         streams = row_streams(self.pair, self.seed, n)  # the streams of the rows still decoding
@@ -297,6 +312,7 @@ class BatchAutoregressive:
                 streams = streams.select(stay)
             if not rows:
                 break
+            cache.room(1)  # a model whose cache width is bounded packs its rows before passing it
             logits = cache.feed([[nxt[r]] for r in rows])[0][:, 0]
         stats.new_tokens, stats.wall = sum(map(len, out)), self.now() - t_start
         setattr(stats, f"{self.which}_calls", len(stats.calls))  # batch forwards, the prefill's included

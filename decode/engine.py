@@ -10,6 +10,7 @@ draws come from a generator on that device, and every clock read on a GPU waits 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -119,13 +120,31 @@ class Runner:
             self.length = length
 
 
-def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int) -> None:
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token of text to continue")
+def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int, row: int | None = None) -> None:
+    """Refuse, in one line that says how to fix it, a prompt or budget the decoders cannot serve; row names the
+    prompt's place in a batch request."""
+    where = "" if row is None else f"prompt {row} of the batch: "
+    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: give a whole number of new tokens, 0 or more")
+    if len(prompt_ids) == 0:
+        raise ValueError(f"{where}the prompt is empty: give at least one token of text to continue")
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or high >= pair.vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"{where}token id {bad} is outside the pair's vocabulary of {pair.vocab} ids: encode the "
+                         f"text with the pair's tokenizer (pair.encode)")
     limit = pair.config.max_context
     if len(prompt_ids) + max_new_tokens > limit:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+        raise ValueError(f"{where}prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                          f"context of {limit} tokens of pair {pair.config.name}: shorten the prompt or lower max_new_tokens")
+
+
+def check_prompts(pair: Pair, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """check_prompt over a batch request, naming the row at fault."""
+    if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+        raise ValueError("prompts must be a list of token-id lists (one per row): wrap a single prompt as [ids]")
+    for i, ids in enumerate(prompts):
+        check_prompt(pair, ids, max_new_tokens, row=i)
 
 
 class SpeculativeDecoder:

@@ -31,6 +31,13 @@ from decode.pair import Pair, input_device
 ROOM = 64  # columns of spare room a moved buffer keeps, so the next rounds append in place
 SLACK = 0.25  # holes may make the cache this much wider than its longest row before compact() packs it
 WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window")  # config fields that name an attention window
+LIMIT_FIELDS = ("max_position_embeddings", "n_positions")  # config fields that bound positions (and some caches' width)
+
+
+def position_limit(config) -> int | None:
+    """The most positions a model config takes (None if it names no limit). Absolute-position models index an
+    embedding by position, and some (GPT-Neo) slice a causal buffer of this size by the cache's width."""
+    return next((int(v) for v in (getattr(config, f, None) for f in LIMIT_FIELDS) if v), None)
 
 
 def windowed(config) -> bool:
@@ -50,6 +57,7 @@ class RowCache:
         self.model, self.pair, self.name, self.calls, self.hidden = model, pair, name, calls, hidden
         self.cache, self.device = new_cache(), input_device(model)
         self.holes = not windowed(model.config)
+        self.limit = position_limit(model.config)  # positions and cache width stay below it (None: unbounded)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.length = torch.zeros(rows, dtype=torch.long)  # (B,) tokens each row holds
         self.peak_bytes = 0  # the largest its key and value buffers grew (decode.evaluation.batch reports it)
@@ -67,12 +75,23 @@ class RowCache:
         m = int(sizes.max())
         ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
         pos = self.length[:, None] + torch.arange(m)[None, :]
+        if self.limit is not None:  # filler (a stopped row's columns) is discarded, so any position serves it; a
+            pos = pos.clamp_max(self.limit - 1)  # row near the context's end must not index past the last one
         new = torch.arange(m)[None, :] < sizes[:, None]
         logits, state = self._forward(ids, pos, torch.cat([self.valid, torch.ones_like(new)], 1))
         self.valid, self.length = torch.cat([self.valid, new], 1), self.length + sizes
         if trim and bool((sizes < m).any()):
             self.settle()
         return logits, state
+
+    def room(self, columns: int) -> int:
+        """Make room for `columns` more columns: a model whose cache width is bounded (self.limit) packs its rows when
+        the width would pass it -> the columns it can take now (a large number where nothing bounds it)."""
+        if self.limit is None or not self.width:
+            return 1 << 30
+        if self.width + columns > self.limit and self.width > int(self.length.max()):
+            self.compact()
+        return self.limit - self.width
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kwargs):
         """(B, m) ids at (B, m) positions, appended after the cache's columns, under the (B, width + m) mask -> the

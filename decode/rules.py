@@ -78,11 +78,10 @@ class SpeculativeSampling(Rule):
 
     def verify_rows(self, tokens, q, p, streams):
         """Each row draws k + 1 uniforms from its own stream, one per candidate and one for the final draw, whatever
-        the outcome (so a row's stream never depends on another row's); accepts while u < alpha; then draws its next
+        the outcome, even where its p is one-hot (top-p often truncates to one token: a shortcut taken only when every
+        row's p is one-hot made a row's draws depend on its neighbours); accepts while u < alpha; then draws its next
         token from its bonus p or, after a rejection, from resample() there, by inverse CDF with the last uniform.
         On the CPU one compiled call does it all (decode.rule_kernel) unless a subclass changes resample()."""
-        if L.one_hot(p):  # greedy target: every alpha is 0 or 1 and every residual is p, so nothing is drawn
-            return greedy_rows(tokens, p)
         ks, dev = [len(t) for t in tokens], p.device
         if (self.compiled and HAVE_NUMBA and dev.type == "cpu" and q is not None
                 and type(self).resample is SpeculativeSampling.resample):
