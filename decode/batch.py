@@ -29,6 +29,8 @@ from decode.rowcache import RowCache, compaction
 from decode.rules import Rule, greedy_rows
 from decode.sampling import argmax, pick_rows, transform
 from decode.streams import Streams
+from decode.tree import check_tree, tree_round
+from decode.tree_shapes import TreeShape
 from heads import kernels
 
 
@@ -80,6 +82,8 @@ class BatchDecoder:
     def __init__(self, pair: Pair, policy: Policy | BatchControl, rule: Rule, seed: int = 0,
                  cost_sizes: list[int] | None = None):
         self.control = control_of(policy)
+        if isinstance(self.control, TreeShape):
+            check_tree(pair, rule)
         self.pair, self.policy, self.rule, self.seed, self.cost_sizes = pair, policy, rule, seed, cost_sizes
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
@@ -121,24 +125,11 @@ class BatchDecoder:
         while rows:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
-            k_max = min(ctl.begin(len(rows), limits), max(limits))
-            if k_max:
-                k_max = self._fit(draft, target, rows, text, k_max)
-            tokens, q, read = self._draft(draft, rows, text, streams, limits, k_max, stats)
-            logits = self._verify_logits(target, rows, text.pending, tokens, first, stats)
-            first = None
-            t0 = self.now()
-            verdicts = self._verdicts(tokens, q, logits, streams)
-            if any(tokens):
-                done = self._commit(text, rows, tokens, verdicts, read, stats, target, draft)
-                ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
-            else:  # a plain step: each row's one token, and no rollback (the draft read nothing, the target 1 each)
-                done = [i for i, (r, (_, nxt)) in enumerate(zip(rows, verdicts)) if text.step(r, nxt)]
-                none = [0] * len(rows)
-                stats.rounds += len(rows)
-                stats.accepted += none
-                ctl.verified(none, none)
-            stats.t_rule += self.now() - t0
+            if isinstance(ctl, TreeShape):
+                done = tree_round(ctl, self.pair.config.sampling, self.now, draft, target, rows, text, streams, limits, first, stats)
+                first = None
+            else:
+                done, first = self._chain_round(draft, target, rows, text, streams, limits, first, stats)
             if done:
                 for i in done:
                     ends[rows[i]] = self.now() - t_start
@@ -153,6 +144,30 @@ class BatchDecoder:
         self.stats = stats  # the batch's counters: calls and times are the batch's, not one row's
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
+
+    def _chain_round(self, draft: RowCache, target: RowCache, rows, text: Texts, streams: Streams, limits, first,
+                     stats) -> tuple[list[int], None]:
+        """One round of chains: each row drafts (the control decides how far), the target verifies, the caches keep
+        the accepted text -> the batch positions of rows done, and None (the prefill's logits are spent)."""
+        ctl = self.control
+        k_max = min(ctl.begin(len(rows), limits), max(limits))
+        if k_max:
+            k_max = self._fit(draft, target, rows, text, k_max)
+        tokens, q, read = self._draft(draft, rows, text, streams, limits, k_max, stats)
+        logits = self._verify_logits(target, rows, text.pending, tokens, first, stats)
+        t0 = self.now()
+        verdicts = self._verdicts(tokens, q, logits, streams)
+        if any(tokens):
+            done = self._commit(text, rows, tokens, verdicts, read, stats, target, draft)
+            ctl.verified([v[0] for v in verdicts], [len(t) for t in tokens])
+        else:  # a plain step: each row's one token, and no rollback (the draft read nothing, the target 1 each)
+            done = [i for i, (r, (_, nxt)) in enumerate(zip(rows, verdicts)) if text.step(r, nxt)]
+            none = [0] * len(rows)
+            stats.rounds += len(rows)
+            stats.accepted += none
+            ctl.verified(none, none)
+        stats.t_rule += self.now() - t0
+        return done, None
 
     @staticmethod
     def _fit(draft: RowCache, target: RowCache, rows, text: Texts, k_max: int) -> int:

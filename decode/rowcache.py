@@ -84,6 +84,34 @@ class RowCache:
             self.settle()
         return logits, state
 
+    @torch.no_grad()
+    def feed_tree(self, chunks: list[list[int]], pos: torch.Tensor, extra: torch.Tensor, among: torch.Tensor,
+                  kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row b's tokens chunks[b] at (B, m) positions pos, token j reading the kept text, the (B, m, width) columns
+        extra (a tree node's ancestors already in the cache) and the (B, m, m) new tokens among (itself, its
+        ancestors in this chunk) -> logits and hidden states as feed()'s. (B, m) kept marks the new tokens that are
+        kept text (a round's root); the rest are tree nodes until commit_columns keeps their accepted path."""
+        m = max(len(c) for c in chunks)
+        ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
+        if self.limit is not None:
+            pos = pos.clamp_max(self.limit - 1)
+        allowed = torch.cat([self.valid[:, None, :] | extra, among], 2)[:, None]  # (B, 1, m, width + m)
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        logits, state = self._forward(ids, pos, mask)
+        self.valid, self.length = torch.cat([self.valid, kept], 1), self.length + kept.sum(1)
+        return logits, state
+
+    def commit_columns(self, cols: list[list[int]]) -> None:
+        """Row b's tree columns cols[b] (its accepted path, in order, after every column it keeps) become kept text;
+        the round's other tree columns stay masked holes, and settle() packs them as keep() does."""
+        at = [(b, c) for b, cs in enumerate(cols) for c in cs]
+        if at:
+            rows, columns = zip(*at)
+            self.valid[list(rows), list(columns)] = True
+            self.length = self.length + torch.tensor([len(cs) for cs in cols])
+        self.settle()
+
     def room(self, columns: int) -> int:
         """Make room for `columns` more columns: a model whose cache width is bounded (self.limit) packs its rows when
         the width would pass it -> the columns it can take now (a large number where nothing bounds it)."""
@@ -96,7 +124,8 @@ class RowCache:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kwargs):
         """(B, m) ids at (B, m) positions, appended after the cache's columns, under the (B, width + m) mask -> the
         float32 logits and the hidden states (None unless hidden) of the positions the output layer ran on."""
-        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=mask.long().to(self.device),
+        mask = mask.to(self.device) if mask.dim() == 4 else mask.long().to(self.device)  # 4-D: a tree's, as is
+        out = forward(self.model, ids, self.cache, hidden=self.hidden, attention_mask=mask,
                       position_ids=pos.to(self.device), **kwargs)
         out, state = out if self.hidden else (out, None)
         self.calls.append((self.name, ids.shape[1]))

@@ -1,0 +1,301 @@
+"""One round of token-tree speculation over a batch of rows: grow each row's tree with the draft (one draft forward
+per level), score every node with one target forward, walk the accepted path, keep it in both caches.
+
+decode.batch.BatchDecoder calls round() when its control is a decode.tree_shapes.TreeShape; a chain is the tree
+with one child per node, batch 1 a batch of one row. The caches are decode.rowcache.RowCache: a node reads the
+committed text and its own ancestors (RowCache.feed_tree), and after verification the path's columns become kept
+text while the rest are holes (RowCache.commit_columns). DESIGN.md, Token trees, gives the rules:
+- greedy: follow the child equal to the target's argmax; its argmax after the last followed node is the bonus.
+- sampling: a node's children were drawn from the draft's q without replacement; they are tested in turn against
+  what earlier rejections leave (recursive rejection), and after m rejections the token comes from that residual.
+  Each round draws one uniform per drafted child (drafting) and n + 1 per row (verifying n nodes), whatever the
+  outcome, so a row's draws depend on its own tree alone; with one child per node this is speculative sampling,
+  the same uniforms in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decode import labels as L
+from decode.rowcache import RowCache
+from decode.sampling import argmax, sample, transform
+from decode.streams import Streams
+from decode.tree_shapes import TreeShape
+
+
+@dataclass
+class RowTree:
+    """One row's tree this round: node 0 is the root (the row's pending token), nodes in drafting (level) order."""
+
+    tokens: list[int]
+    parent: list[int] = field(default_factory=lambda: [-1])
+    depth: list[int] = field(default_factory=lambda: [0])
+    rank: list[int] = field(default_factory=lambda: [0])
+    value: list[float] = field(default_factory=lambda: [1.0])
+    path: list[tuple[int, ...]] = field(default_factory=lambda: [()])
+    col: list[int] = field(default_factory=lambda: [-1])  # the draft cache column a node was read into (-1: unread)
+    q: dict = field(default_factory=dict)  # node -> (V,) the draft's law after it (sampling only)
+
+    def add(self, parent: int, token: int, rank: int, prob: float) -> int:
+        self.tokens.append(token)
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.rank.append(rank)
+        self.value.append(self.value[parent] * prob)
+        self.path.append(self.path[parent] + (rank,))
+        self.col.append(-1)
+        return len(self.tokens) - 1
+
+    def ancestors(self, i: int) -> list[int]:
+        """Node i's ancestors below the root, nearest last."""
+        out = []
+        while self.parent[i] > 0:
+            i = self.parent[i]
+            out.append(i)
+        return out[::-1]
+
+    def children(self) -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for i in range(1, len(self.tokens)):
+            kids.setdefault(self.parent[i], []).append(i)
+        return kids
+
+    def subtree(self, keep: list[int]) -> RowTree:
+        """The tree of the root and the nodes `keep` (increasing, each with its parent), renumbered in order."""
+        new = {0: 0} | {old: j + 1 for j, old in enumerate(keep)}
+        out = RowTree([self.tokens[0]], q={new[k]: v for k, v in self.q.items() if k in new})
+        for old in keep:
+            out.add(new[self.parent[old]], self.tokens[old], self.rank[old], 1.0)
+            out.value[-1], out.col[-1] = self.value[old], self.col[old]
+        return out
+
+
+def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> list[list[int]]:
+    """(N, V) laws, a count and that many uniforms per law -> each law's draws without replacement (each from the
+    law with the earlier draws removed; sample() scales by the remaining mass, so removing renormalises)."""
+    out, at = [], 0
+    for law, m in zip(q, counts):
+        law, got = law.clone(), []
+        for j in range(m):
+            tok = int(sample(law[None], u=torch.tensor([[u[at + j]]], dtype=torch.float64, device=law.device))[0])
+            got.append(tok)
+            law[tok] = 0.0
+        out.append(got)
+        at += m
+    return out
+
+
+def grow(shape: TreeShape, draft: RowCache, rows: list[int], text, streams: Streams, limits: list[int], sampling,
+         stats, now) -> list[RowTree]:
+    """Each row's tree, grown level by level from its pending token: the draft reads the row's unread text and the
+    root in one forward, then each level's expanded nodes in one forward each."""
+    greedy = sampling.temperature == 0
+    unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
+    t0 = now()
+    logits, _ = draft.feed(unread)
+    stats.t_draft, stats.draft_calls = stats.t_draft + now() - t0, stats.draft_calls + 1
+    raw = logits[torch.arange(len(rows)), torch.tensor([len(u) - 1 for u in unread])][:, None]  # (B, 1, V)
+    trees = [RowTree([text.pending[r]]) for r in rows]
+    frontier = [[0] for _ in rows]  # the nodes whose children this level draws, with raw[b, j] their logits
+    for level in range(shape.depth):
+        counts = [shape.children(level, [t.value[i] for i in f], [t.path[i] for i in f]) if level < lim else
+                  [0] * len(f) for t, f, lim in zip(trees, frontier, limits)]
+        t0 = now()
+        new = _draw(trees, frontier, counts, raw, sampling, greedy, streams)
+        stats.t_sample += now() - t0
+        if level + 1 >= shape.depth:
+            break
+        # the next level expands the new nodes the shape gives children, each read by the draft first
+        frontier = [[i for i, c in zip(n, shape.children(level + 1, [t.value[i] for i in n], [t.path[i] for i in n]))
+                     if c and level + 1 < lim] for t, n, lim in zip(trees, new, limits)]
+        if not any(frontier):
+            break
+        t0 = now()
+        raw = _read(draft, trees, frontier, [len(text.committed[r]) for r in rows])
+        stats.t_draft, stats.draft_calls = stats.t_draft + now() - t0, stats.draft_calls + 1
+    return trees
+
+
+def _draw(trees, frontier, counts, raw, sampling, greedy, streams) -> list[list[int]]:
+    """Add each frontier node's children (counts) to its tree -> each row's new nodes. Greedy: the draft's top
+    choices, valued by its softmax; sampling: draws without replacement from q, valued by q (row r's uniforms from
+    its own stream, one per child)."""
+    new: list[list[int]] = [[] for _ in trees]
+    at = [(b, j) for b, c in enumerate(counts) for j, m in enumerate(c) if m]
+    if not at:
+        return new
+    idx = torch.tensor(at, device=raw.device)
+    logits = raw[idx[:, 0], idx[:, 1]]  # (N, V) the expanded nodes' logits
+    m_of = [counts[b][j] for b, j in at]
+    if greedy:
+        probs = logits.float().softmax(-1)
+        top = probs.topk(max(m_of), -1)
+        toks, vals = top.indices.tolist(), top.values.tolist()
+        for (b, j), m, tk, vl in zip(at, m_of, toks, vals):
+            for rank in range(m):
+                new[b].append(trees[b].add(frontier[b][j], tk[rank], rank, vl[rank]))
+        return new
+    q = transform(logits, sampling)
+    per_row = [sum(counts[b]) for b in range(len(trees))]
+    u = streams.draw(per_row).tolist()
+    starts = [0]
+    for c in per_row:
+        starts.append(starts[-1] + c)
+    flat_u, seen = [], [0] * len(trees)
+    for (b, j), m in zip(at, m_of):
+        flat_u += u[starts[b] + seen[b]: starts[b] + seen[b] + m]
+        seen[b] += m
+    drawn = without_replacement(q, m_of, flat_u)
+    for n, ((b, j), got) in enumerate(zip(at, drawn)):
+        parent = frontier[b][j]
+        trees[b].q[parent] = q[n]
+        probs = q[n, torch.tensor(got, device=q.device)].tolist()
+        for rank, (tok, pr) in enumerate(zip(got, probs)):
+            new[b].append(trees[b].add(parent, tok, rank, pr))
+    return new
+
+
+def _read(cache: RowCache, trees: list[RowTree], nodes: list[list[int]], roots: list[int]) -> torch.Tensor:
+    """The draft reads each row's `nodes` (one level), each attending to the kept text and its own ancestors ->
+    (B, m, V) their logits."""
+    m, width = max(map(len, nodes)), cache.width
+    extra = torch.zeros(len(trees), m, width, dtype=torch.bool)
+    pos = torch.zeros(len(trees), m, dtype=torch.long)
+    for b, (t, ns) in enumerate(zip(trees, nodes)):
+        for j, i in enumerate(ns):
+            pos[b, j] = roots[b] + t.depth[i]
+            cols = [t.col[a] for a in t.ancestors(i)]
+            if cols:
+                extra[b, j, cols] = True
+            t.col[i] = width + j
+    among = torch.eye(m, dtype=torch.bool).expand(len(trees), m, m)
+    logits, _ = cache.feed_tree([[t.tokens[i] for i in ns] for t, ns in zip(trees, nodes)], pos, extra, among,
+                                torch.zeros(len(trees), m, dtype=torch.bool))
+    return logits
+
+
+def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch.Tensor | None) -> torch.Tensor:
+    """One target forward over every row's root (unless the prefill read it: first, (B, 1, V)) and nodes ->
+    (B, 1 + n, V) the target's logits after the root and after each node; the root's column becomes kept text."""
+    fed_root = first is None
+    chunks = [([t.tokens[0]] if fed_root else []) + t.tokens[1:] for t in trees]
+    m, off = max(map(len, chunks)), int(fed_root)
+    if m == 0:
+        return first
+    pos = torch.zeros(len(trees), m, dtype=torch.long)
+    among = torch.zeros(len(trees), m, m, dtype=torch.bool)
+    kept = torch.zeros(len(trees), m, dtype=torch.bool)
+    for b, t in enumerate(trees):
+        n = len(t.tokens)
+        for i in range(1 - off, n):
+            c = i - 1 + off
+            pos[b, c] = roots[b] + t.depth[i]
+            among[b, c, c] = True
+            for a in t.ancestors(i) + ([0] if fed_root and i else []):
+                among[b, c, a - 1 + off] = True
+        if fed_root:
+            kept[b, 0] = True
+        for c in range(len(chunks[b]), m):
+            among[b, c, c] = True  # filler reads itself alone
+    logits, _ = target.feed_tree(chunks, pos, torch.zeros(len(trees), m, target.width, dtype=torch.bool), among, kept)
+    return logits if fed_root else torch.cat([first, logits], 1)
+
+
+def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams) -> list[tuple[list[int], int]]:
+    """Each row's accepted path (its nodes, root excluded) and next token, from the target's (B, 1 + n, V) logits."""
+    if sampling.temperature == 0:
+        best = argmax(logits).tolist()
+        out = []
+        for t, bst in zip(trees, best):
+            kids, v, path = t.children(), 0, []
+            while True:
+                nxt = next((c for c in kids.get(v, []) if t.tokens[c] == bst[v]), None)
+                if nxt is None:
+                    out.append((path, bst[v]))
+                    break
+                v = nxt
+                path.append(v)
+        return out
+    u = streams.draw([len(t.tokens) for t in trees]).tolist()  # n + 1 per row: one a node, one for the last draw
+    out, at = [], 0
+    for b, t in enumerate(trees):
+        out.append(_walk_sampled(t, logits[b], sampling, u[at: at + len(t.tokens)]))
+        at += len(t.tokens)
+    return out
+
+
+def _walk_sampled(t: RowTree, logits: torch.Tensor, sampling, u: list[float]) -> tuple[list[int], int]:
+    """Recursive rejection down one row's tree: at node v, children x_1..x_m (drawn without replacement) are
+    tested in turn, x_j accepted with min(1, r_j(x_j) / q_j(x_j)), r_1 = p and r_{j+1} = norm(max(r_j - q_j, 0)),
+    q_j = q with x_1..x_{j-1} removed and renormalised; all rejected, the token comes from r_{m+1}."""
+    kids, v, path = t.children(), 0, []
+    while True:
+        r = transform(logits[v][None], sampling)[0]
+        cs = kids.get(v, [])
+        q = t.q[v] if cs else None
+        accepted = None
+        for j, c in enumerate(cs):
+            x = t.tokens[c]
+            q_j = q if j == 0 else q / q.sum()
+            if u[c - 1] < float(L.accept_prob(r[x], q_j[x])):
+                accepted = c
+                break
+            r = L.residual(r, q_j)
+            q = q_j.clone()
+            q[x] = 0.0
+        if accepted is None:
+            return path, int(sample(r[None], u=torch.tensor([[u[-1]]], dtype=torch.float64, device=r.device))[0])
+        v = accepted
+        path.append(v)
+
+
+def check_tree(pair, rule) -> None:
+    """Refuse, before decoding, what a tree round cannot serve: a sliding-window model (its window is measured in
+    cache columns, which a tree's siblings interleave) and a rule other than the lossless two."""
+    from decode.rowcache import windowed
+    from decode.rules import GreedyMatch, SpeculativeSampling
+
+    for role in ("draft", "target"):
+        if windowed(getattr(pair, role).config):
+            raise ValueError(f"token trees need full attention: the {role} ({type(getattr(pair, role)).__name__}) "
+                             "attends over a sliding window, which a tree's interleaved siblings would misplace; "
+                             "decode it with a chain policy (e.g. FixedK)")
+    if type(rule) not in (GreedyMatch, SpeculativeSampling) or \
+            (pair.config.sampling.temperature > 0 and type(rule) is not SpeculativeSampling):
+        raise ValueError(f"token trees verify by greedy matching (temperature 0) or recursive rejection sampling: use "
+                         f"GreedyMatch or SpeculativeSampling, not {type(rule).__name__} at temperature "
+                         f"{pair.config.sampling.temperature:g}")
+
+
+def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows: list[int], text, streams: Streams,
+               limits: list[int], first: torch.Tensor | None, stats) -> list[int]:
+    """One tree round for every row (decode.batch.BatchDecoder): grow, score, walk, keep -> the batch positions of
+    rows done. Where a model bounds the cache's width, its rows pack first and a row verifies at most what fits."""
+    most = getattr(shape, "nodes", 64)
+    fit = max(1, min(most, target.room(most + 1) - 1))
+    draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
+    trees = grow(shape, draft, rows, text, streams, limits, s, stats, now)
+    trees = [t.subtree(shape.keep(t.value, t.parent, t.rank, fit)) for t in trees]
+    roots = [len(text.committed[r]) for r in rows]
+    t0, width = now(), target.width
+    logits = score(target, trees, roots, first)
+    stats.t_target, stats.target_calls = stats.t_target + now() - t0, stats.target_calls + 1
+    t0, off = now(), int(first is None)
+    verdicts = walk(trees, logits, s, streams)
+    done, t_cols, d_cols = [], [], []
+    for i, (r, t, (path, nxt)) in enumerate(zip(rows, trees, verdicts)):
+        n = len(t.tokens) - 1
+        stats.rounds, stats.drafted, stats.discarded = stats.rounds + 1, stats.drafted + n, stats.discarded + n - len(path)
+        stats.accepted.append(len(path))
+        if text.commit(r, [t.tokens[v] for v in path], nxt):
+            done.append(i)
+        t_cols.append([width + v - 1 + off for v in path])
+        d_cols.append([t.col[v] for v in path if t.col[v] >= 0])
+    target.commit_columns(t_cols)
+    draft.commit_columns(d_cols)
+    shape.verified([len(v[0]) for v in verdicts], [len(t.tokens) - 1 for t in trees])
+    stats.t_rule += now() - t0
+    return done

@@ -1,0 +1,124 @@
+"""Tree shapes: which nodes a round's token tree grows and which it sends to the target (DESIGN.md, Token trees).
+
+    BatchDecoder(pair, StaticTree.sequoia([0.72, 0.15, 0.04], nodes=15, depth=6), GreedyMatch())
+    BatchDecoder(pair, ConfidenceTree(top_k=4, depth=6, nodes=16), SpeculativeSampling())
+
+A shape is a decode.batch_control.BatchControl, so decode.batch.BatchDecoder (and SpeculativeDecoder, through a
+batch of one row) decode with it as with any control. Each row's tree grows level by level: the shape says how many
+children each frontier node gets (the draft's top choices under greedy, draws without replacement under sampling),
+then which of the drafted nodes the target verifies. A kept node's parent and earlier siblings are always kept:
+recursive rejection tests siblings in the order they were drawn.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from decode.batch_control import BatchControl
+
+
+class TreeShape(BatchControl):
+    """A control that proposes token trees. depth: the most levels (candidates on one path) a round drafts."""
+
+    depth = 1
+
+    def begin(self, b, remaining=None):
+        return self.depth
+
+    def children(self, level: int, value: list[float], path: list[tuple[int, ...]]) -> list[int]:
+        """One row's frontier at `level` (0: the root alone): each node's path value and rank path -> how many
+        children the draft proposes for it (0: not expanded)."""
+        raise NotImplementedError
+
+    def keep(self, value: list[float], parent: list[int], rank: list[int], most: int) -> list[int]:
+        """One row's drafted tree (node 0 the root; value, parent and rank per node) -> the nodes the target verifies,
+        in drafting order: the best `most` by value, each with its parent and earlier siblings (best_first)."""
+        return best_first(value, parent, rank, most)
+
+
+def best_first(value: Sequence[float], parent: Sequence[int], rank: Sequence[int], most: int) -> list[int]:
+    """The `most` highest-value nodes (node 0, the root, excluded) such that every kept node's parent and earlier
+    siblings are kept too, in increasing node order. A node becomes eligible once its parent and its previous sibling
+    are kept; the best eligible one is kept next (ties go to the earlier node)."""
+    kids: dict[int, list[int]] = {}
+    for i in range(1, len(value)):
+        kids.setdefault(parent[i], []).append(i)
+    for v in kids.values():
+        v.sort(key=lambda i: rank[i])
+    heap = [(-value[kids[0][0]], kids[0][0])] if kids.get(0) else []
+    kept: list[int] = []
+    while heap and len(kept) < most:
+        _, i = heapq.heappop(heap)
+        kept.append(i)
+        sibs = kids[parent[i]]
+        at = sibs.index(i)
+        for j in ([sibs[at + 1]] if at + 1 < len(sibs) else []) + kids.get(i, [])[:1]:
+            heapq.heappush(heap, (-value[j], j))
+    return sorted(kept)
+
+
+class StaticTree(TreeShape):
+    """One fixed tree every round, given as the rank paths of its nodes (vLLM's speculative_token_tree form): (0,)
+    is the draft's top choice after the root, (1,) its second, (0, 0) the top choice after (0,), and so on. A chain
+    of k candidates is [(0,), (0, 0), ...]. Under sampling a rank is a draw's order (without replacement)."""
+
+    def __init__(self, paths: Sequence[Sequence[int]]):
+        self.paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+        if not self.paths or any(not p for p in self.paths):
+            raise ValueError("a static tree needs at least one non-empty rank path, e.g. [[0], [1], [0, 0]]")
+        have = set(self.paths)
+        for p in self.paths:
+            if p[:-1] and p[:-1] not in have or p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in have:
+                raise ValueError(f"rank path {list(p)} needs its parent and earlier siblings in the tree too")
+        self.depth = max(map(len, self.paths))
+        self.wide: dict[tuple[int, ...], int] = {}
+        for p in self.paths:
+            self.wide[p[:-1]] = max(self.wide.get(p[:-1], 0), p[-1] + 1)
+        self.nodes = len(self.paths)
+
+    def children(self, level, value, path):
+        return [self.wide.get(p, 0) for p in path]
+
+    def keep(self, value, parent, rank, most):
+        return list(range(1, min(len(value), most + 1)))  # every drafted node, in drafting order
+
+    @classmethod
+    def sequoia(cls, accept: Sequence[float], nodes: int, depth: int) -> StaticTree:
+        """Sequoia's tree under the positional model: the j-th child of any node is accepted with probability
+        accept[j] given its parent was, so a node's value is the product along its rank path and the best tree of
+        `nodes` nodes with at most `depth` levels is the best `nodes` of that infinite tree (best_first)."""
+        return cls(sequoia_paths(accept, nodes, depth))
+
+
+def sequoia_paths(accept: Sequence[float], nodes: int, depth: int) -> list[tuple[int, ...]]:
+    """The rank paths of the best `nodes`-node tree of at most `depth` levels under positional acceptance `accept`."""
+    heap, out = [(-accept[0], (0,))] if accept and nodes > 0 else [], []
+    while heap and len(out) < nodes:
+        neg, p = heapq.heappop(heap)
+        out.append(p)
+        if p[-1] + 1 < len(accept):
+            heapq.heappush(heap, (neg / accept[p[-1]] * accept[p[-1] + 1] if accept[p[-1]] else 0.0, p[:-1] + (p[-1] + 1,)))
+        if len(p) < depth:
+            heapq.heappush(heap, (neg * accept[0], p + (0,)))
+    return out
+
+
+def expected_tokens(accept: Sequence[float], paths: Sequence[Sequence[int]]) -> float:
+    """Tokens a round emits on average under the positional model: 1 + the sum of the nodes' path values."""
+    return 1.0 + sum(math.prod(accept[j] for j in p) for p in paths)
+
+
+class ConfidenceTree(TreeShape):
+    """EAGLE-2's dynamic tree: a node's value is the product of the draft's probabilities along its path. Each level
+    expands the top_k frontier nodes by value, top_k children each; the target verifies the best `nodes` of all."""
+
+    def __init__(self, top_k: int = 4, depth: int = 6, nodes: int = 16):
+        if top_k < 1 or depth < 1 or nodes < 1:
+            raise ValueError(f"ConfidenceTree needs top_k, depth and nodes >= 1, got {top_k}, {depth}, {nodes}")
+        self.top_k, self.depth, self.nodes = top_k, depth, nodes
+
+    def children(self, level, value, path):
+        best = set(sorted(range(len(value)), key=lambda i: -value[i])[: self.top_k])
+        return [self.top_k if i in best else 0 for i in range(len(value))]
