@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode import policies as P
+from decode import policy_base as P
 from decode.batch import BatchDecoder
 from decode.batch_control import BatchCostAware, RowsStep
 from decode.engine import SpeculativeDecoder
