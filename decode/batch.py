@@ -22,7 +22,7 @@ from decode import rule_kernel
 from decode.batch_control import BatchControl, RowsStep, control_of
 from decode.batch_costs import batch_costs, table_sizes
 from decode.costs import clock, head_cost, measure_costs
-from decode.engine import Generation, Stats, check_prompts
+from decode.generation import Generation, Stats, check_prompts
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
 from decode.rowcache import RowCache, compaction

@@ -75,11 +75,14 @@ class RowTree:
 
 def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> list[list[int]]:
     """(N, V) laws, a count and that many uniforms per law -> each law's draws without replacement (each from the
-    law with the earlier draws removed; sample() scales by the remaining mass, so removing renormalises)."""
+    law with the earlier draws removed; sample() scales by the remaining mass, so removing renormalises). A law
+    with fewer tokens than its count gives them all; its unused uniforms are spent all the same."""
     out, at = [], 0
     for law, m in zip(q, counts):
         law, got = law.clone(), []
         for j in range(m):
+            if not bool(law.sum() > 0):  # top-k / top-p left fewer tokens than children: the rest go undrawn
+                break
             tok = int(sample(law[None], u=torch.tensor([[u[at + j]]], dtype=torch.float64, device=law.device))[0])
             got.append(tok)
             law[tok] = 0.0
@@ -139,16 +142,9 @@ def _draw(trees, frontier, counts, raw, sampling, greedy, streams) -> list[list[
                 new[b].append(trees[b].add(frontier[b][j], tk[rank], rank, vl[rank]))
         return new
     q = transform(logits, sampling)
-    per_row = [sum(counts[b]) for b in range(len(trees))]
-    u = streams.draw(per_row).tolist()
-    starts = [0]
-    for c in per_row:
-        starts.append(starts[-1] + c)
-    flat_u, seen = [], [0] * len(trees)
-    for (b, j), m in zip(at, m_of):
-        flat_u += u[starts[b] + seen[b]: starts[b] + seen[b] + m]
-        seen[b] += m
-    drawn = without_replacement(q, m_of, flat_u)
+    # row by row, each row's nodes in order: the order `at` lists them in, so the draws line up with the laws
+    u = streams.draw([sum(c) for c in counts]).tolist()
+    drawn = without_replacement(q, m_of, u)
     for n, ((b, j), got) in enumerate(zip(at, drawn)):
         parent = frontier[b][j]
         trees[b].q[parent] = q[n]

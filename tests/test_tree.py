@@ -1,0 +1,146 @@
+"""Token trees (decode.tree, decode.tree_shapes): greedy trees emit the target's greedy text for every family at batch
+1 and 8; sampled trees keep the target's law (and a tree without the residual update, or with children drawn with
+replacement, is caught); a chain-shaped tree is speculative sampling token for token; shapes are prefix-closed."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from decode import tree as tree_mod
+from decode.batch import BatchAutoregressive, BatchDecoder
+from decode.engine import SpeculativeDecoder
+from decode.policies import FixedK
+from decode.rowcache import windowed
+from decode.rules import FSD, GreedyMatch, SpeculativeSampling, draw
+from decode.tree_shapes import ConfidenceTree, StaticTree, best_first, expected_tokens, sequoia_paths
+from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401  (arch_pairs is a fixture)
+from tests.test_batch import assert_rows_equal, ragged
+from tests.test_decode import ALPHA
+
+SHAPES = {"sequoia": lambda: StaticTree.sequoia([0.7, 0.15, 0.05], nodes=10, depth=4),
+          "confidence": lambda: ConfidenceTree(top_k=3, depth=4, nodes=10)}
+
+
+@pytest.mark.parametrize("family,dtype", MATRIX)
+def test_greedy_trees_equal_the_target_alone_at_batch_1_and_8(arch_pairs, family, dtype):
+    pair = no_eos(arch_pairs(family, dtype)[1])
+    if windowed(pair.target.config) or windowed(pair.draft.config):
+        with pytest.raises(ValueError, match="token trees need full attention: the draft .* sliding window") as info:
+            BatchDecoder(pair, SHAPES["sequoia"](), GreedyMatch())
+        assert "\n" not in str(info.value)
+        return
+    for b in (1, 8):
+        prompts = ragged(pair, b)
+        want = BatchAutoregressive(pair).generate(prompts, 16)
+        for name, shape in SHAPES.items():
+            got = BatchDecoder(pair, shape(), GreedyMatch()).generate(prompts, 16)
+            assert_rows_equal(pair, prompts, got, want, (family, dtype, b, name))
+    one = SpeculativeDecoder(pair, SHAPES["confidence"](), GreedyMatch()).generate(prompts[3], 16)
+    assert_rows_equal(pair, prompts[3:4], [one], BatchAutoregressive(pair).generate(prompts[3:4], 16), (family, dtype))
+    assert one.stats.target_calls == one.stats.rounds == len(one.stats.accepted)  # the batch's counters, one row
+
+
+def test_a_chain_shaped_tree_is_speculative_sampling_token_for_token(arch_pairs):
+    pair = no_eos(arch_pairs("llama", "float32")[1]).with_sampling(temperature=1.0)
+    prompts = ragged(pair, 6)
+    for seed in (0, 1):
+        chain = BatchDecoder(pair, FixedK(3), SpeculativeSampling(), seed=seed).generate(prompts, 20)
+        tree = BatchDecoder(pair, StaticTree([(0,), (0, 0), (0, 0, 0)]), SpeculativeSampling(), seed=seed)
+        assert [g.tokens for g in tree.generate(prompts, 20)] == [g.tokens for g in chain]
+
+
+def test_a_sampled_tree_row_draws_the_same_alone_and_in_a_batch(arch_pairs):
+    pair = no_eos(arch_pairs("gpt2", "float32")[1]).with_sampling(temperature=0.8, top_p=0.9)
+    prompts = ragged(pair, 5)
+    batch = BatchDecoder(pair, SHAPES["confidence"](), SpeculativeSampling(), seed=3).generate(prompts, 20)
+    for i in (0, 4):
+        alone = BatchDecoder(pair, SHAPES["confidence"](), SpeculativeSampling(), seed=3 + i).generate([prompts[i]], 20)
+        assert alone[0].tokens == batch[i].tokens
+    assert SpeculativeDecoder(pair, SHAPES["confidence"](), SpeculativeSampling(), seed=3).generate(
+        prompts[0], 20).tokens == batch[0].tokens
+
+
+def two_token_law(pair, prompt):
+    """(V, V) the target's law of the next two tokens after prompt, under the pair's sampling transform."""
+    from decode.sampling import transform
+
+    s = pair.config.sampling
+    with torch.no_grad():
+        p1 = transform(pair.logits(pair.target(torch.tensor([prompt])).logits[0, -1]), s)
+        nxt = transform(pair.logits(pair.target(torch.tensor([prompt + [a] for a in range(pair.vocab)])).logits[:, -1]), s)
+    return p1[:, None] * nxt
+
+
+def tree_pvalue(pair, shape, n: int = 2400, rows: int = 8) -> float:
+    """Chi-square p-value of n two-token draws after one prompt against the target's law, decoded in batches of
+    `rows` rows of that prompt (each row its own stream: seed + its index)."""
+    from scipy.stats import chisquare
+
+    prompt = [3, 7]
+    law = two_token_law(pair, prompt)
+    counts = torch.zeros_like(law)
+    dec = BatchDecoder(pair, shape, SpeculativeSampling())
+    for seed in range(0, n, rows):
+        dec.seed = seed
+        for g in dec.generate([prompt] * rows, 2):
+            counts[g.tokens[0], g.tokens[1]] += 1
+    expected, counts = law.flatten() * n, counts.flatten()
+    if counts[expected == 0].sum() > 0:  # a pair the target's (truncated) law never emits
+        return 0.0
+    big = expected >= 5  # pool the rare cells into one so the chi-square approximation holds
+    obs, exp = counts[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs, exp = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+SETTINGS = {"t1": dict(temperature=1.0), "t0.8-p0.9-k12": dict(temperature=0.8, top_p=0.9, top_k=12)}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("width", [2, 4])
+def test_sampled_trees_keep_the_targets_law(tiny_pair, setting, width):
+    """Width 2 and 4 at the root and below, in batches of 8 rows and of one row."""
+    pair = dataclasses.replace(tiny_pair.with_sampling(**SETTINGS[setting]), eos_ids=(-1,))
+    paths = [(j,) for j in range(width)] + [(0, j) for j in range(width)] + [(1, j) for j in range(width - 1)]
+    assert tree_pvalue(pair, StaticTree(paths), rows=240) > ALPHA
+    if width == 4:  # batches of 8, and of one row through the one-sequence decoder's entry
+        assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=800, rows=8) > ALPHA
+        assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=300, rows=1) > ALPHA
+
+
+def test_a_tree_without_the_residual_update_or_drawn_with_replacement_is_caught(tiny_pair, monkeypatch):
+    pair = dataclasses.replace(tiny_pair.with_sampling(temperature=1.0), eos_ids=(-1,))
+    shape = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1)])
+    with monkeypatch.context() as m:  # after a rejected sibling, the next is tested against p itself
+        m.setattr(tree_mod.L, "residual", lambda r, q: r)
+        assert tree_pvalue(pair, shape, rows=256) < ALPHA
+    with monkeypatch.context() as m:  # siblings may repeat a token, yet are tested as if drawn without replacement
+        def with_replacement(q, counts, u):
+            out, at = [], 0
+            for law, c in zip(q, counts):
+                out.append([draw(law, torch.tensor(u[at + j], dtype=torch.float64)) for j in range(c)])
+                at += c
+            return out
+        m.setattr(tree_mod, "without_replacement", with_replacement)
+        assert tree_pvalue(pair, shape, rows=256) < ALPHA
+
+
+def test_shapes_are_prefix_closed_and_sequoia_takes_the_best_nodes():
+    paths = sequoia_paths([0.8, 0.1], nodes=5, depth=3)
+    assert paths == [(0,), (0, 0), (0, 0, 0), (1,), (0, 1)]
+    assert expected_tokens([0.8, 0.1], paths) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.1 + 0.08)
+    assert sequoia_paths([0.8, 0.1], nodes=9, depth=1) == [(0,), (1,)]
+    # node 3 (value .5) is the second child of the root: it waits for node 2 (value .1), its earlier sibling
+    assert best_first([1.0, 0.9, 0.1, 0.5, 0.8], [-1, 0, 0, 0, 1], [0, 0, 1, 2, 0], 3) == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"rank path \[1\] needs its parent and earlier siblings"):
+        StaticTree([(1,)])
+
+
+def test_trees_refuse_lossy_rules_in_one_line(arch_pairs):
+    pair = arch_pairs("llama", "float32")[1]
+    with pytest.raises(ValueError, match="token trees verify by greedy matching .* not FSD"):
+        BatchDecoder(pair, SHAPES["sequoia"](), FSD())
+    with pytest.raises(ValueError, match="not GreedyMatch at temperature 1"):
+        BatchDecoder(pair.with_sampling(temperature=1.0), SHAPES["sequoia"](), GreedyMatch())
