@@ -224,29 +224,33 @@ def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams)
 
 
 def _walk_sampled(t: RowTree, logits: torch.Tensor, sampling, u: list[float]) -> tuple[list[int], int]:
-    """Recursive rejection down one row's tree: at node v, children x_1..x_m (drawn without replacement) are
-    tested in turn, x_j accepted with min(1, r_j(x_j) / q_j(x_j)), r_1 = p and r_{j+1} = norm(max(r_j - q_j, 0)),
-    q_j = q with x_1..x_{j-1} removed and renormalised; all rejected, the token comes from r_{m+1}."""
+    """One row's tree, recursive rejection at each node from the root down (first_accepted) -> its path and next
+    token: a rejected node's last residual, or a leaf's p, drawn with the row's last uniform."""
     kids, v, path = t.children(), 0, []
     while True:
-        r = transform(logits[v][None], sampling)[0]
-        cs = kids.get(v, [])
-        q = t.q[v] if cs else None
-        accepted = None
-        for j, c in enumerate(cs):
-            x = t.tokens[c]
-            q_j = q if j == 0 else q / q.sum()
-            if u[c - 1] < float(L.accept_prob(r[x], q_j[x])):
-                accepted = c
-                break
-            r = L.residual(r, q_j)
-            q = q_j.clone()
-            q[x] = 0.0
-        if accepted is None:
+        r, cs = transform(logits[v][None], sampling)[0], kids.get(v, [])
+        j, r = first_accepted(r, t.q.get(v), [t.tokens[c] for c in cs], [u[c - 1] for c in cs])
+        if j is None:
             return path, int(sample(r[None], u=torch.tensor([[u[-1]]], dtype=torch.float64, device=r.device))[0])
-        v = accepted
+        v = cs[j]
         path.append(v)
 
+
+def first_accepted(p: torch.Tensor, q: torch.Tensor | None, tokens: list[int],
+                   u: list[float]) -> tuple[int | None, torch.Tensor]:
+    """Recursive rejection at one node: (V,) target law p, (V,) draft law q, children x_1..x_m drawn from q without
+    replacement and one uniform each -> the index of the accepted child (None: all rejected) and the law r the
+    next token comes from after all m rejections. x_j is accepted with min(1, r_j(x_j) / q_j(x_j)), r_1 = p,
+    r_{j+1} = norm(max(r_j - q_j, 0)), q_j = q with x_1..x_{j-1} removed and renormalised."""
+    r = p
+    for j, x in enumerate(tokens):
+        q_j = q if j == 0 else q / q.sum()
+        if u[j] < float(L.accept_prob(r[x], q_j[x])):
+            return j, r
+        r = L.residual(r, q_j)
+        q = q_j.clone()
+        q[x] = 0.0
+    return None, r
 
 def check_tree(pair, rule) -> None:
     """Refuse, before decoding, what a tree round cannot serve: a sliding-window model (its window is measured in

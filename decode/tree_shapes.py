@@ -1,6 +1,6 @@
 """Tree shapes: which nodes a round's token tree grows and which it sends to the target (DESIGN.md, Token trees).
 
-    BatchDecoder(pair, StaticTree.sequoia([0.72, 0.15, 0.04], nodes=15, depth=6), GreedyMatch())
+    BatchDecoder(pair, SequoiaTree([0.72, 0.15, 0.04], nodes=15, depth=6), GreedyMatch())
     BatchDecoder(pair, ConfidenceTree(top_k=4, depth=6, nodes=16), SpeculativeSampling())
 
 A shape is a decode.batch_control.BatchControl, so decode.batch.BatchDecoder (and SpeculativeDecoder, through a
@@ -90,6 +90,15 @@ class StaticTree(TreeShape):
         accept[j] given its parent was, so a node's value is the product along its rank path and the best tree of
         `nodes` nodes with at most `depth` levels is the best `nodes` of that infinite tree (best_first)."""
         return cls(sequoia_paths(accept, nodes, depth))
+
+
+class SequoiaTree(StaticTree):
+    """StaticTree.sequoia as a class a YAML names: accept is the positional acceptance vector (python -m
+    decode.tree_plan prints it and the nodes and depth that pay on this machine)."""
+
+    def __init__(self, accept: Sequence[float], nodes: int = 16, depth: int = 6):
+        super().__init__(sequoia_paths(accept, nodes, depth))
+        self.accept = list(accept)
 
 
 def sequoia_paths(accept: Sequence[float], nodes: int, depth: int) -> list[tuple[int, ...]]:

@@ -144,3 +144,22 @@ def test_trees_refuse_lossy_rules_in_one_line(arch_pairs):
         BatchDecoder(pair, SHAPES["sequoia"](), FSD())
     with pytest.raises(ValueError, match="not GreedyMatch at temperature 1"):
         BatchDecoder(pair.with_sampling(temperature=1.0), SHAPES["sequoia"](), GreedyMatch())
+
+
+def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
+    """A verify that costs nothing more per node grows the tree; one that costs a draft step's worth per node keeps
+    it small. The greedy vector is a share of positions: each entry in [0, 1], together at most 1."""
+    from decode.costs import CostModel
+    from decode.tree_plan import best_tree, positional_vector
+
+    v = positional_vector(tiny_pair.with_sampling(temperature=0.0), [[3, 7], [5, 1, 2]], new=12)
+    assert len(v) == 4 and all(0 <= x <= 1 for x in v) and sum(v) <= 1 + 1e-9
+    sampled = positional_vector(tiny_pair.with_sampling(temperature=1.0), [[3, 7]], new=6, draws=2)
+    assert all(0 <= x <= 1 for x in sampled) and sum(sampled) <= 1 + 1e-9
+    accept = [0.7, 0.15, 0.05, 0.02]
+    wide = {"draft": ([1, 64], [1.0, 1.0])}  # a draft level wider than its step table: the prefill curve
+    flat = CostModel(step={"draft": [1.0] * 16, "target": [10.0] * 65}, switched={"target": [10.0] * 65}, prefill=wide)
+    steep = CostModel(step={"draft": [1.0] * 16, "target": [10.0 + 5 * n for n in range(65)]},
+                      switched={"target": [10.0 + 5 * n for n in range(65)]}, prefill=wide)
+    big, small = best_tree(accept, flat), best_tree(accept, steep)
+    assert len(big[0]) > 3 * len(small[0]) and big[1] > small[1]
