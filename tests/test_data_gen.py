@@ -1,9 +1,12 @@
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +155,7 @@ def write_config(tmp_path, pair_yaml, n_prompts, **data):
 
 
 def run_cli(cfg, *extra, wait=True):
+    """`python -m data_gen --config cfg EXTRA` in its own process (for what needs one: a signal, DDP ranks)."""
     cmd = [sys.executable, "-m", "data_gen", "--config", str(cfg), *extra]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     if not wait:
@@ -159,15 +163,36 @@ def run_cli(cfg, *extra, wait=True):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
 
 
+def label_here(cfg, *extra):
+    """`python -m data_gen --config cfg EXTRA` in this process (a process spent seconds importing torch, transformers
+    and Lightning): its exit code, stdout and stderr, as run_cli gives them. The torch threads and the SIGTERM/SIGINT
+    handlers the run sets are put back."""
+    from data_gen.__main__ import main
+
+    threads, handlers = torch.get_num_threads(), {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            warnings.simplefilter("ignore")  # as PYTHONWARNINGS=ignore does for run_cli
+            main(["--config", str(cfg), *extra])
+    except SystemExit as e:
+        code = e.code
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess(["data_gen", "--config", str(cfg), *extra], code, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.slow
 def test_cli_counts_bad_prompts_and_refuses_other_settings(tmp_path, tiny_pair_yaml):
     cfg = write_config(tmp_path, tiny_pair_yaml, 6)
-    res = run_cli(cfg)
+    res = label_here(cfg)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 empty skipped, 1 truncated" in res.stdout
     assert len(load_split(tmp_path / "labels" / "t1", "jsonl_train")) == 7
     assert len(load_features(tmp_path / "labels" / "t1", "jsonl_train")) == 7
-    res = run_cli(cfg, "--model.seed", "5")
+    res = label_here(cfg, "--model.seed", "5")
     assert res.returncode == 2 and "labels made under other settings" in res.stderr and "seed" in res.stderr
 
 
@@ -200,7 +225,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, tiny_pair_yaml)
     proc.wait()
     first = len(done_ids(out))
     assert 3 <= first < 61, "the run must be killed part-way"
-    res = run_cli(cfg)
+    res = label_here(cfg)  # the resume needs no process of its own
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"{first} already labelled" in res.stdout or first >= 3
     ids = load_split(out, "jsonl_train")["id"]
@@ -245,7 +270,7 @@ def test_each_sampling_setting_gets_its_own_labels_and_greedy_labels_are_argmax_
     from decode.pair import load_pair
 
     cfg = write_config(tmp_path, tiny_pair_yaml, 6)
-    res = run_cli(cfg, "--settings", "[{temperature: 0}, {temperature: 0.7, top_p: 0.95}]")
+    res = label_here(cfg, "--settings", "[{temperature: 0}, {temperature: 0.7, top_p: 0.95}]")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     greedy, warm = tmp_path / "labels" / "greedy", tmp_path / "labels" / "t0.7-p0.95"
     assert metadata(greedy)["sampling"]["temperature"] == 0
@@ -282,7 +307,7 @@ def test_sigterm_stops_cleanly_and_the_resume_loses_and_repeats_nothing(tmp_path
     assert 3 <= kept < 61, "the run must be stopped part-way"
     assert f"interrupted by SIGTERM: {kept} prompts are labelled" in text and "Resume with:" in text
     lock_output(out).close()  # the lock was released
-    res = run_cli(cfg)
+    res = label_here(cfg)  # the resume needs no process of its own
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"{kept} already labelled" in res.stdout
     ids = load_split(out, "jsonl_train")["id"]

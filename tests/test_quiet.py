@@ -15,7 +15,7 @@ from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.hf import hf_generate, specdecpp_assistant
 from decode.policies import DraftConfidence, FixedK
 from decode.rules import SpeculativeSampling
-from tests.test_data_gen import run_cli
+from tests.test_data_gen import label_here
 from tests.test_hf import export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_a_label_set_with_damaged_shards_names_them_relabels_their_prompts_and_t
     raw = yaml.safe_load(cfg.read_text())
     raw["data"]["prompts"].append(dict(raw["data"]["prompts"][0], split="dev"))
     cfg.write_text(yaml.safe_dump(raw))
-    assert run_cli(cfg).returncode == 0
+    assert label_here(cfg).returncode == 0
     out = tmp_path / "labels" / "t1"
     ids = {s: sorted(load_split(out, s)["id"]) for s in ("jsonl_train", "jsonl_dev")}
     first, second = sorted((out / "jsonl_train").iterdir())[:2]
@@ -154,7 +154,7 @@ def test_a_label_set_with_damaged_shards_names_them_relabels_their_prompts_and_t
     assert code == 2 and len(err) == 1 and "python -m data_gen" in err[0], err
     assert first.name in err[0] or second.name in err[0], err
 
-    res = run_cli(cfg)
+    res = label_here(cfg)
     assert res.returncode == 0, res.stderr[-3000:]
     for shard in (first, second):
         assert f"damaged shard {shard}" in res.stdout and (shard.parent / f".damaged-{shard.name}").exists()
