@@ -94,10 +94,12 @@ class BatchDecoder:
             policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True,
+                 streams: Streams | None = None) -> list[Generation]:
         """B prompts (token ids, any lengths) -> B generations, each stopping at its own EOS or max_new_tokens; a
         generation's stats.wall is when its row finished (per-row latency). stop_at_eos=False decodes every row to
-        max_new_tokens, through its EOS (vLLM's ignore_eos: a throughput bench's fixed lengths)."""
+        max_new_tokens, through its EOS (vLLM's ignore_eos: a throughput bench's fixed lengths). streams: the rows'
+        random streams, drawn on from where they are (default: fresh ones, row i seeded seed + i)."""
         check_prompts(self.pair, prompts, max_new_tokens)
         if not prompts or not max_new_tokens:  # nothing to decode: no forward, as the engine returns no tokens
             self.stats, self.peak_bytes = Stats(), 0
@@ -109,7 +111,7 @@ class BatchDecoder:
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
         stats, t_start, ctx = Stats(), self.now(), self.pair.config.max_context
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
-        streams, calls = row_streams(self.pair, self.seed, n), []  # the streams of the rows still decoding
+        streams, calls = row_streams(self.pair, self.seed, n) if streams is None else streams, []  # the streams of the rows still decoding
         draft = RowCache(self.pair.draft, self.pair, n, "draft", calls, hidden=ctl.needs_hidden)
         target = RowCache(self.pair.target, self.pair, n, "target", calls)
         t0 = self.now()  # the draft reads the prompts with its first round (a request that never drafts never does)

@@ -67,8 +67,9 @@ class SpeculativeDecoder:
         self.rows = None
         if isinstance(policy, TreeShape):  # a token tree's round is the batched decoder's, over a batch of one row
             self.rows = BatchDecoder(pair, policy, rule, seed)
-            return
         self.gen = Streams([seed], pair.device)
+        if self.rows is not None:
+            return
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
         rule_kernel.warm(pair.vocab)
@@ -183,7 +184,7 @@ class SpeculativeDecoder:
         on_tokens(list[int]) is called with each round's new tokens, for streaming.
         """
         if self.rows is not None:
-            out = self.rows.generate([prompt_ids], max_new_tokens)[0]
+            out = self.rows.generate([prompt_ids], max_new_tokens, streams=self.gen)[0]  # the engine's stream
             if on_tokens is not None and out.tokens:  # a batch emits when its row ends: one call, not one a round
                 on_tokens(out.tokens)
             return Generation(out.tokens, out.text, self.rows.stats)

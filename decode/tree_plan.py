@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--prompts", type=int, default=16, help="dev prompts measured (pycode dev split)")
     ap.add_argument("--new", type=int, default=48, help="tokens per prompt")
+    ap.add_argument("--nodes", type=int, default=64, help="the most nodes a tree may verify")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per cost-table cell (medians)")
     ap.add_argument("--out", default="docs/bench/trees.json", help="where the vectors and trees are written")
     args = ap.parse_args(argv)
     from decode.batch import BatchDecoder
@@ -105,18 +107,18 @@ def main(argv: list[str] | None = None) -> None:
     base = load_pair(args.pair)
     prompts = encode_prompts(base, {"name": "pycode", "split": "dev", "limit": args.prompts, "seed": 0}, args.new)
     t0 = time.perf_counter()
-    costs = tree_costs(base, prompts)
+    costs = tree_costs(base, prompts, nodes=args.nodes, width=min(16, args.nodes), repeats=args.repeats)
     print(f"costs ({time.perf_counter() - t0:.0f} s): draft level of 1/4/16 nodes "
           f"{costs.call_ms('draft', 1):.2f}/{costs.call_ms('draft', 4):.2f}/{costs.call_ms('draft', 16):.2f} ms; "
           f"verify of 1/9/17/33/65 tokens " + "/".join(f"{costs.call_ms('target', n, True):.1f}"
-                                                       for n in (1, 9, 17, 33, 65)) + " ms", flush=True)
+                                                       for n in (1, 9, 17, 33, 65) if n <= args.nodes + 1) + " ms", flush=True)
     plan = {"pair": base.config.name, "costs": {"draft": costs.step["draft"], "verify": costs.switched["target"]}}
     print("| setting | v (ranks 1-4) | tree: nodes, depth, level widths | tokens/round predicted | measured "
           "| nodes/round | tok/s |\n|---|---|---|---|---|---|---|")
     for name in args.settings:
         pair = base.with_sampling(**SETTINGS[name])
         v = positional_vector(pair, prompts, args.new)
-        paths, tokens, _ = best_tree(v, costs)
+        paths, tokens, _ = best_tree(v, costs, most=args.nodes)
         rule = GreedyMatch() if pair.config.sampling.temperature == 0 else SpeculativeSampling()
         dec, n, rounds, nodes, wall = BatchDecoder(pair, StaticTree(paths), rule), 0, 0, 0, 0.0
         for ids in prompts:

@@ -3,6 +3,7 @@
 replacement, is caught); a chain-shaped tree is speculative sampling token for token; shapes are prefix-closed."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -163,3 +164,21 @@ def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
                       switched={"target": [10.0 + 5 * n for n in range(65)]}, prefill=wide)
     big, small = best_tree(accept, flat), best_tree(accept, steep)
     assert len(big[0]) > 3 * len(small[0]) and big[1] > small[1]
+
+
+def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tmp_path):
+    """python -m decode.tree_plan writes each setting's vector and tree, and the tree bench decodes them against
+    chains, printing a row per method with its interval against the dev-chosen chain."""
+    from decode.evaluation import tree_bench
+    from decode import tree_plan
+
+    plan, out = tmp_path / "trees.json", tmp_path / "trees.md"
+    tree_plan.main(["--pair", str(tiny_pair_yaml), "--prompts", "2", "--new", "6", "--settings", "greedy", "t1", "--nodes", "6", "--repeats", "1",
+                    "--out", str(plan)])
+    got = json.loads(plan.read_text())
+    assert set(got) >= {"greedy", "t1", "costs"} and all(len(got[s]["v"]) == 4 for s in ("greedy", "t1"))
+    tree_bench.main(["--pair", str(tiny_pair_yaml), "--plan", str(plan), "--settings", "t1", "--dev", "1", "--test", "2", "--new", "6", "--out", str(out)])
+    text = out.read_text()
+    assert "chain chosen on dev: K = " in text
+    for name in ("target", "chain K=1", "chain K=6", "tree sequoia", "tree confidence"):
+        assert f"| {name} |" in text
