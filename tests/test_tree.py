@@ -169,8 +169,8 @@ def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
 def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tmp_path):
     """python -m decode.tree_plan writes each setting's vector and tree, and the tree bench decodes them against
     chains, printing a row per method with its interval against the dev-chosen chain."""
-    from decode.evaluation import tree_bench
     from decode import tree_plan
+    from decode.evaluation import tree_bench
 
     plan, out = tmp_path / "trees.json", tmp_path / "trees.md"
     tree_plan.main(["--pair", str(tiny_pair_yaml), "--prompts", "2", "--new", "6", "--settings", "greedy", "t1", "--nodes", "6", "--repeats", "1",

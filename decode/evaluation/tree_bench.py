@@ -43,7 +43,7 @@ def run(decs: dict, prompts: list[list[int]], n: int, seed: int) -> dict[str, li
     """name -> per prompt (tok/s, tokens, rounds, nodes verified); methods in a seeded shuffled order per prompt."""
     order, res = random.Random(seed), {name: [] for name in decs}
     names = list(decs)
-    for i, ids in enumerate(prompts):
+    for ids in prompts:
         order.shuffle(names)
         for name in names:
             g = decs[name].generate(ids, n)
