@@ -182,3 +182,19 @@ def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tmp_path):
     assert "chain chosen on dev: K = " in text
     for name in ("target", "chain K=1", "chain K=6", "tree sequoia", "tree confidence"):
         assert f"| {name} |" in text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here: the cuda-marked tests run where one is present")
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("gpt2", "bfloat16")])
+def test_trees_on_the_gpu(arch_pairs, family, dtype):
+    """Greedy trees equal the target alone on the GPU at batch 8; a sampled row draws alone what it draws in a batch."""
+    pair = no_eos(arch_pairs(family, dtype, "cuda")[1])
+    prompts = ragged(pair, 8)
+    want = BatchAutoregressive(pair).generate(prompts, 16)
+    for shape in SHAPES.values():
+        assert_rows_equal(pair, prompts, BatchDecoder(pair, shape(), GreedyMatch()).generate(prompts, 16), want, family)
+    sampled = pair.with_sampling(temperature=1.0)
+    batch = BatchDecoder(sampled, SHAPES["confidence"](), SpeculativeSampling(), seed=2).generate(prompts, 16)
+    alone = BatchDecoder(sampled, SHAPES["confidence"](), SpeculativeSampling(), seed=2 + 5).generate(prompts[5:6], 16)
+    assert len(batch[5].tokens) == 16 and (dtype != "float32" or alone[0].tokens == batch[5].tokens)
