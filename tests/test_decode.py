@@ -7,6 +7,7 @@ from scipy.stats import chisquare
 
 from decode import labels as L
 from decode.allocator import steady_heap
+from decode.batch import BatchDecoder
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.policies import FixedK, Oracle, SamplingMismatch, SpecDecPP, SprinterVerifier
 from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck, greedy_verify
@@ -64,10 +65,21 @@ def exact_two_token_law(pair, prompt):
     return law
 
 
-def two_token_pvalue(decoder, law, prompt, n=2000):
+def two_token_pvalue(decoder, law, prompt, n=2000, rows=None):
+    """Chi-square p-value of n two-token draws after prompt against law. A one-sequence decoder (generate(prompt, 2))
+    draws them one at a time; with rows, a BatchDecoder draws them as batches of `rows` copies of the prompt, each row
+    its own stream (seed + its index; the seed moves on by each batch's rows): independent draws of the same law, one
+    batched forward for many draws."""
+    if rows is None:
+        draws = [decoder.generate(prompt, 2).tokens for _ in range(n)]
+    else:
+        draws, start = [], decoder.seed
+        for first in range(0, n, rows):
+            decoder.seed = start + first
+            draws += [g.tokens for g in decoder.generate([prompt] * min(rows, n - first), 2)]
+        decoder.seed = start
     counts = torch.zeros_like(law)
-    for _ in range(n):
-        out = decoder.generate(prompt, 2).tokens
+    for out in draws:
         counts[out[0], out[1] if len(out) > 1 else out[0]] += 1
     expected = law.flatten() * n
     big = expected >= 5  # pool the rare cells into one so the chi-square approximation holds
@@ -85,14 +97,19 @@ class BrokenResample(SpeculativeSampling):
 
 @pytest.mark.slow
 def test_speculative_sampling_is_lossless_and_a_broken_resample_is_caught(tiny_pair, tmp_path):
+    """The one-sequence engine's own path on 600 draws; a head's stopping and the broken resample as rows of batches
+    (the rule's verify_rows is the code both decoders run). 600 draws still fail the broken resample (p < 1e-4 at
+    500 for five seeds; 2000 rows give p < 1e-40), so each test keeps the power to see that bias."""
     pair = tiny_pair.with_sampling(temperature=1.0)
     prompt = [3, 7]
     law = exact_two_token_law(pair, prompt)
     head = export_head(tmp_path, pair, depth=2)
-    assert two_token_pvalue(SpeculativeDecoder(pair, FixedK(2), SpeculativeSampling(), seed=1), law, prompt) > ALPHA
-    assert two_token_pvalue(SpeculativeDecoder(pair, SpecDecPP(head, h=0.5), SpeculativeSampling(), seed=2),
-                            law, prompt) > ALPHA
-    assert two_token_pvalue(SpeculativeDecoder(pair, FixedK(2), BrokenResample(), seed=3), law, prompt) < ALPHA
+    assert two_token_pvalue(SpeculativeDecoder(pair, FixedK(2), SpeculativeSampling(), seed=1), law, prompt,
+                            n=600) > ALPHA
+    assert two_token_pvalue(BatchDecoder(pair, SpecDecPP(head, h=0.5), SpeculativeSampling(), seed=2 * 10**6),
+                            law, prompt, n=2000, rows=1000) > ALPHA
+    assert two_token_pvalue(BatchDecoder(pair, FixedK(2), BrokenResample(), seed=3 * 10**6), law, prompt,
+                            n=2000, rows=1000) < ALPHA
 
 
 def test_call_log_keeps_the_order_of_the_forwards(tiny_pair):
@@ -205,6 +222,8 @@ def test_bad_input_errors(tiny_pair, tmp_path):
 
 
 def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
+    """The command's own process: exit 0 with the text and the metrics on stdout, exit 2 with one line for a bad
+    request (the other exit-2 cases run in this process: test_cli_rejects_out_of_range_numbers_with_one_line)."""
     import os
     import subprocess
     import sys
@@ -215,7 +234,7 @@ def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("abc(") and "[FixedK + FSD]" in res.stdout and "verification rate" in res.stdout
     res = subprocess.run(cmd[:4] + ["--pair", str(tiny_pair_yaml), "--prompt", ""], capture_output=True, text=True)
-    assert res.returncode != 0 and "prompt is empty" in res.stderr
+    assert res.returncode == 2 and "prompt is empty" in res.stderr
 
 
 def test_text_stream_writes_exactly_the_decoded_text(tiny_pair):
@@ -249,13 +268,22 @@ def test_head_of_another_sampling_setting_is_refused_or_warned(tiny_pair, tmp_pa
     SpeculativeDecoder(tiny_pair, SpecDecPP(t1_head), SpeculativeSampling())  # same setting: accepted
 
 
-def run_generate(*args):
-    import os
-    import subprocess
-    import sys
+def run_generate(capsys, *args):
+    """`python -m decode generate ARGS` in this process (a process each spent seconds importing torch and
+    transformers): (exit code, stdout, stderr lines). The torch threads the command sets are put back."""
+    from decode.__main__ import main
 
-    return subprocess.run([sys.executable, "-m", "decode", "generate", *args], capture_output=True, text=True,
-                          env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    argv, threads, code = sys.argv, torch.get_num_threads(), 0
+    sys.argv = ["python -m decode", "generate", *args]
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("args, option", [
@@ -263,21 +291,21 @@ def run_generate(*args):
     (["--temperature", "-0.5"], "temperature"), (["--top_p", "0"], "top_p"), (["--top_p", "1.5"], "top_p"),
     (["--policy", "FixedK", "--policy.k", "0"], "k must"), (["--rule", "FSD", "--rule.threshold", "-1"], "threshold"),
 ])
-def test_cli_rejects_out_of_range_numbers_with_one_line(tiny_pair_yaml, args, option):
-    res = run_generate("--pair", str(tiny_pair_yaml), "--prompt", "abc(", *args)
-    assert res.returncode == 2, res.stderr[-2000:]
-    lines = res.stderr.strip().splitlines()
+def test_cli_rejects_out_of_range_numbers_with_one_line(tiny_pair_yaml, args, option, capsys):
+    code, _, lines = run_generate(capsys, "--pair", str(tiny_pair_yaml), "--prompt", "abc(", *args)
+    assert code == 2, lines
     assert len(lines) == 1 and lines[0].startswith("error:") and option in lines[0]
 
 
-def test_cli_refuses_head_of_other_setting_and_flag_allows_it(tiny_pair, tiny_pair_yaml, tmp_path):
+def test_cli_refuses_head_of_other_setting_and_flag_allows_it(tiny_pair, tiny_pair_yaml, tmp_path, capsys):
     head = export_head(tmp_path, tiny_pair, name="t1head")
     base = ["--pair", str(tiny_pair_yaml), "--prompt", "abc(", "--head", head, "--temperature", "0", "--max_new_tokens", "4"]
-    res = run_generate(*base)
-    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
-    assert "trained for sampling t1 but the decoder samples greedy" in res.stderr
-    res = run_generate(*base, "--allow_sampling_mismatch", "true")
-    assert res.returncode == 0 and "another acceptance event" in res.stderr
+    code, _, lines = run_generate(capsys, *base)
+    assert code == 2 and len(lines) == 1
+    assert "trained for sampling t1 but the decoder samples greedy" in lines[0]
+    with pytest.warns(UserWarning, match="another acceptance event"):  # which Python prints to stderr, once
+        code, out, _ = run_generate(capsys, *base, "--allow_sampling_mismatch", "true")
+    assert code == 0 and out.startswith("abc(")
 
 
 def test_the_batch_one_head_path_reads_what_the_batched_one_does():
