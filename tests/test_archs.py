@@ -11,13 +11,14 @@ import pytest
 import torch
 import yaml
 
+from decode.batch import BatchDecoder
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.hf import hf_generate
 from decode.kvcache import UnservableModel, check_servable
 from decode.pair import load_pair
 from decode.policies import DraftConfidence, FixedK
 from decode.rules import GreedyMatch, SpeculativeSampling
-from tests.archs import FAMILIES, WINDOW, chat_tokenizer, write_arch_pair
+from tests.archs import FAMILIES, WINDOW, chat_tokenizer
 
 TEXTS = ["def f(x):\n  return (x)", "a = b(c, d)\n", "if a == 1:\n  b(2)", "x = 10\nfor i in x:\n", "def g():",
          "h(0) == (1)", "c = 3 ", "bad(d)\n", "aa == bb", "12 + 34 "]
@@ -26,18 +27,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skip
 MATRIX = [(f, d) for f in FAMILIES for d in ("float32", "bfloat16")]
 
 
-@pytest.fixture(scope="module")
-def arch_pairs(tmp_path_factory):
-    """(family, dtype, device) -> loaded pair, built on first use."""
-    cache = {}
-
-    def get(family, dtype, device="cpu"):
-        if (family, dtype, device) not in cache:
-            yaml_path = write_arch_pair(tmp_path_factory.mktemp(f"{family}-{dtype}"), family, dtype)
-            cache[family, dtype, device] = (yaml_path, load_pair(yaml_path, device=device))
-        return cache[family, dtype, device]
-
-    return get
+@pytest.fixture
+def arch_pairs(arch_pair_cache):
+    """(family, dtype, device) -> (pair YAML, loaded pair), built on first use in the session (tests/conftest.py),
+    shared by every module that decodes them (test_batch, test_tree, test_rowcache import this fixture)."""
+    return arch_pair_cache
 
 
 def no_eos(pair):
@@ -67,7 +61,8 @@ def test_greedy_speculative_equals_target_greedy(arch_pairs, family, dtype, devi
 
 
 def test_sampled_sliding_window_pair_emits_the_targets_law(arch_pairs):
-    """Speculative sampling on a Mistral pair whose window is full keeps the target's law (chi-square)."""
+    """Speculative sampling on a Mistral pair whose window is full keeps the target's law (chi-square), drawn as the
+    rows of one batch (the one-sequence engine's own law test is test_decode's)."""
     from tests.test_decode import ALPHA, two_token_pvalue
 
     pair = no_eos(arch_pairs("mistral", "float32")[1]).with_sampling(temperature=1.0)
@@ -79,8 +74,8 @@ def test_sampled_sliding_window_pair_emits_the_targets_law(arch_pairs):
 
         p1 = next_law([ids])[0]
         law = p1[:, None] * next_law([ids + [a] for a in range(pair.vocab)])
-    dec = SpeculativeDecoder(pair, FixedK(2), SpeculativeSampling(), seed=3)
-    assert two_token_pvalue(dec, law, ids, n=1500) > ALPHA
+    dec = BatchDecoder(pair, FixedK(2), SpeculativeSampling(), seed=3)  # 1500 rows of one batch: 1500 streams
+    assert two_token_pvalue(dec, law, ids, n=1500, rows=1500) > ALPHA
 
 
 @pytest.mark.parametrize("device", DEVICES)
