@@ -76,18 +76,25 @@ class RowTree:
 def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> list[list[int]]:
     """(N, V) laws, a count and that many uniforms per law -> each law's draws without replacement (each from the
     law with the earlier draws removed; sample() scales by the remaining mass, so removing renormalises). A law
-    with fewer tokens than its count gives them all; its unused uniforms are spent all the same."""
-    out, at = [], 0
-    for law, m in zip(q, counts):
-        law, got = law.clone(), []
-        for j in range(m):
-            if not bool(law.sum() > 0):  # top-k / top-p left fewer tokens than children: the rest go undrawn
-                break
-            tok = int(sample(law[None], u=torch.tensor([[u[at + j]]], dtype=torch.float64, device=law.device))[0])
-            got.append(tok)
-            law[tok] = 0.0
-        out.append(got)
-        at += m
+    with fewer tokens than its count gives them all; its unused uniforms are spent all the same. One batched draw
+    per child rank, and one host read for them all."""
+    law, out = q.clone(), [[] for _ in counts]
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    drawn = []
+    for j in range(max(counts, default=0)):
+        rows = [i for i, c in enumerate(counts) if c > j]
+        idx = torch.tensor(rows, device=q.device)
+        us = torch.tensor([[u[starts[i] + j]] for i in rows], dtype=torch.float64, device=q.device)
+        left = law[idx].sum(-1) > 0  # top-k / top-p may leave fewer tokens than children
+        tok = sample(law[idx], u=us)
+        law[idx, tok] = torch.where(left, 0.0, law[idx, tok])
+        drawn.append((rows, tok, left))
+    for rows, tok, left in [(r, t.tolist(), k.tolist()) for r, t, k in drawn]:
+        for i, t, ok in zip(rows, tok, left):
+            if ok:
+                out[i].append(t)
     return out
 
 
