@@ -223,41 +223,68 @@ def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams)
                 path.append(v)
         return out
     u = streams.draw([len(t.tokens) for t in trees]).tolist()  # n + 1 per row: one a node, one for the last draw
-    out, at = [], 0
-    for b, t in enumerate(trees):
-        out.append(_walk_sampled(t, logits[b], sampling, u[at: at + len(t.tokens)]))
-        at += len(t.tokens)
-    return out
+    starts = [0]
+    for t in trees:
+        starts.append(starts[-1] + len(t.tokens))
+    kids = [t.children() for t in trees]
+    items = [(b, v, cs) for b, k in enumerate(kids) for v, cs in sorted(k.items())]  # every node with children
+    alpha, left, at = [], None, {}
+    if items:  # every node's sibling tests at once: one transform, one pass per sibling rank, one host read
+        dev = logits.device
+        p = transform(logits[torch.tensor([b for b, _, _ in items], device=dev),
+                             torch.tensor([v for _, v, _ in items], device=dev)], sampling)
+        q = torch.stack([trees[b].q[v] for b, v, _ in items])
+        m = max(len(cs) for _, _, cs in items)
+        x = torch.tensor([[trees[b].tokens[c] for c in cs] + [-1] * (m - len(cs)) for b, _, cs in items], device=dev)
+        a, left = sibling_tests(p, q, x)
+        alpha, at = a.tolist(), {(b, v): i for i, (b, v, _) in enumerate(items)}
+    paths, laws = [], []  # a row's law: ("left", i), item i's residual after all its children, or ("p", b, v)
+    for b in range(len(trees)):
+        v, path, ub = 0, [], u[starts[b]: starts[b + 1]]
+        while True:
+            i = at.get((b, v))
+            if i is None:
+                laws.append(("p", b, v))
+                break
+            cs = items[i][2]
+            j = next((j for j, c in enumerate(cs) if ub[c - 1] < alpha[i][j]), None)
+            if j is None:
+                laws.append(("left", i))
+                break
+            v = cs[j]
+            path.append(v)
+        paths.append(path)
+    leaf = [(w[1], w[2]) for w in laws if w[0] == "p"]
+    leaf_p = iter(transform(logits[torch.tensor([b for b, _ in leaf], device=logits.device),
+                                   torch.tensor([v for _, v in leaf], device=logits.device)], sampling)
+                  if leaf else [])
+    law = torch.stack([left[w[1]] if w[0] == "left" else next(leaf_p) for w in laws])
+    last = torch.tensor([[u[starts[b + 1] - 1]] for b in range(len(trees))], dtype=torch.float64, device=law.device)
+    return list(zip(paths, sample(law, u=last).tolist()))
 
 
-def _walk_sampled(t: RowTree, logits: torch.Tensor, sampling, u: list[float]) -> tuple[list[int], int]:
-    """One row's tree, recursive rejection at each node from the root down (first_accepted) -> its path and next
-    token: a rejected node's last residual, or a leaf's p, drawn with the row's last uniform."""
-    kids, v, path = t.children(), 0, []
-    while True:
-        r, cs = transform(logits[v][None], sampling)[0], kids.get(v, [])
-        j, r = first_accepted(r, t.q.get(v), [t.tokens[c] for c in cs], [u[c - 1] for c in cs])
-        if j is None:
-            return path, int(sample(r[None], u=torch.tensor([[u[-1]]], dtype=torch.float64, device=r.device))[0])
-        v = cs[j]
-        path.append(v)
+def sibling_tests(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection at N nodes at once: (N, V) target laws p, (N, V) draft laws q, (N, m) children drawn from
+    q without replacement (-1: none) -> (N, m) the chance child j is accepted once the children before it were
+    rejected, min(1, r_j(x_j) / q_j(x_j)), and (N, V) the law r_{m+1} the token comes from once all are rejected;
+    r_1 = p, r_{j+1} = norm(max(r_j - q_j, 0)), q_j = q with x_1..x_{j-1} removed and renormalised."""
+    r, alpha = p, torch.zeros(x.shape, dtype=p.dtype, device=p.device)
+    for j in range(x.shape[1]):
+        has, xj = x[:, j] >= 0, x[:, j:j + 1].clamp_min(0)
+        q_j = q if j == 0 else q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+        alpha[:, j] = torch.where(has, L.accept_prob(r.gather(1, xj)[:, 0], q_j.gather(1, xj)[:, 0]), 0.0)
+        r = torch.where(has[:, None], L.residual(r, q_j), r)
+        q = torch.where(has[:, None], q_j.scatter(1, xj, 0.0), q)
+    return alpha, r
 
 
-def first_accepted(p: torch.Tensor, q: torch.Tensor | None, tokens: list[int],
-                   u: list[float]) -> tuple[int | None, torch.Tensor]:
-    """Recursive rejection at one node: (V,) target law p, (V,) draft law q, children x_1..x_m drawn from q without
-    replacement and one uniform each -> the index of the accepted child (None: all rejected) and the law r the
-    next token comes from after all m rejections. x_j is accepted with min(1, r_j(x_j) / q_j(x_j)), r_1 = p,
-    r_{j+1} = norm(max(r_j - q_j, 0)), q_j = q with x_1..x_{j-1} removed and renormalised."""
-    r = p
-    for j, x in enumerate(tokens):
-        q_j = q if j == 0 else q / q.sum()
-        if u[j] < float(L.accept_prob(r[x], q_j[x])):
-            return j, r
-        r = L.residual(r, q_j)
-        q = q_j.clone()
-        q[x] = 0.0
-    return None, r
+def first_accepted(p: torch.Tensor, q: torch.Tensor, tokens: list[int], u: list[float]) -> int | None:
+    """Recursive rejection at one node (sibling_tests): (V,) p and q, the children drawn and one uniform each -> the
+    index of the accepted child, or None if all are rejected."""
+    if not tokens:
+        return None
+    alpha = sibling_tests(p[None], q[None], torch.tensor([tokens], device=p.device))[0][0].tolist()
+    return next((j for j, a in enumerate(alpha) if u[j] < a), None)
 
 def check_tree(pair, rule) -> None:
     """Refuse, before decoding, what a tree round cannot serve: a sliding-window model (its window is measured in

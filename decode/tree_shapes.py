@@ -94,7 +94,7 @@ class StaticTree(TreeShape):
 
 class SequoiaTree(StaticTree):
     """StaticTree.sequoia as a class a YAML names: accept is the positional acceptance vector (python -m
-    decode.tree_plan prints it and the nodes and depth that pay on this machine)."""
+    decode.evaluation.tree_plan prints it and the nodes and depth that pay on this machine)."""
 
     def __init__(self, accept: Sequence[float], nodes: int = 16, depth: int = 6):
         super().__init__(sequoia_paths(accept, nodes, depth))

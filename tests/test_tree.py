@@ -151,7 +151,7 @@ def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
     """A verify that costs nothing more per node grows the tree; one that costs a draft step's worth per node keeps
     it small. The greedy vector is a share of positions: each entry in [0, 1], together at most 1."""
     from decode.costs import CostModel
-    from decode.tree_plan import best_tree, positional_vector
+    from decode.evaluation.tree_plan import best_tree, positional_vector
 
     v = positional_vector(tiny_pair.with_sampling(temperature=0.0), [[3, 7], [5, 1, 2]], new=12)
     assert len(v) == 4 and all(0 <= x <= 1 for x in v) and sum(v) <= 1 + 1e-9
@@ -167,9 +167,9 @@ def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
 
 
 def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tmp_path):
-    """python -m decode.tree_plan writes each setting's vector and tree, and the tree bench decodes them against
+    """python -m decode.evaluation.tree_plan writes each setting's vector and tree, and the tree bench decodes them against
     chains, printing a row per method with its interval against the dev-chosen chain."""
-    from decode import tree_plan
+    from decode.evaluation import tree_plan
     from decode.evaluation import tree_bench
 
     plan, out = tmp_path / "trees.json", tmp_path / "trees.md"

@@ -1,7 +1,7 @@
 """python -m decode.evaluation.tree_bench --plan docs/bench/trees.json --settings greedy t1 [--test 16 --dev 8]
 
 Token trees against chains at batch 1 on the embedded pair: the target alone, fixed-K chains (K chosen on dev
-prompts, and the best K on test in hindsight), the Sequoia tree of decode.tree_plan's plan and EAGLE-2's confidence
+prompts, and the best K on test in hindsight), the Sequoia tree of decode.evaluation.tree_plan's plan and EAGLE-2's confidence
 tree, decoded one after another per test prompt in a seeded shuffled order. Under sampling every method decodes its
 whole budget through EOS (fixed lengths, as the batch bench), so each prompt's tok/s ratio compares equal work.
 Each method's speedup over the dev-chosen chain is the geometric mean of per-prompt ratios, with a 95% bootstrap
@@ -24,7 +24,7 @@ from decode.evaluation.intervals import bootstrap_ci
 from decode.pair import load_pair
 from decode.policies import FixedK
 from decode.rules import GreedyMatch, SpeculativeSampling
-from decode.tree_plan import SETTINGS
+from decode.evaluation.tree_plan import SETTINGS
 from decode.tree_shapes import ConfidenceTree, StaticTree
 
 CHAINS = (1, 2, 3, 4, 6)
@@ -73,7 +73,7 @@ def table(res: dict, dev_k: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     ap.add_argument("--pair", default="configs/pairs/pycode.yaml")
-    ap.add_argument("--plan", default="docs/bench/trees.json", help="python -m decode.tree_plan's output")
+    ap.add_argument("--plan", default="docs/bench/trees.json", help="python -m decode.evaluation.tree_plan's output")
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--dev", type=int, default=8, help="dev prompts the chain's K is chosen on")
     ap.add_argument("--test", type=int, default=16, help="pycode test prompts")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     test = encode_prompts(base, {"name": "pycode", "split": "test", "limit": args.test, "seed": 0}, args.new)
     for name in args.settings:
         if name not in plan:
-            raise SystemExit(f"{args.plan} has no tree for {name}: run python -m decode.tree_plan --settings {name}")
+            raise SystemExit(f"{args.plan} has no tree for {name}: run python -m decode.evaluation.tree_plan --settings {name}")
         pair = base.with_sampling(**SETTINGS[name])
         if pair.config.sampling.temperature > 0:  # fixed lengths: every method decodes its budget through EOS
             pair = dataclasses.replace(pair, eos_ids=(-1,))

@@ -1,4 +1,4 @@
-"""python -m decode.tree_plan --pair configs/pairs/pycode.yaml --settings greedy t0.7-p0.95 t1
+"""python -m decode.evaluation.tree_plan --pair configs/pairs/pycode.yaml --settings greedy t0.7-p0.95 t1
 
 Sequoia's static tree for a pair on this machine: the positional acceptance vector of each sampling setting
 (teacher-forced over the target's own text on dev prompts), the cost tables of a draft level by width and of a
@@ -54,7 +54,7 @@ def positional_vector(pair: Pair, prompts: list[list[int]], new: int = 48, ranks
             for _ in range(draws):
                 u = torch.rand(2 * ranks, generator=gen, dtype=torch.float64).tolist()
                 kids = without_replacement(q[i][None], [ranks], u[:ranks])[0]
-                j, _ = first_accepted(p[i], q[i], kids, u[ranks:])
+                j = first_accepted(p[i], q[i], kids, u[ranks:])
                 if j is not None:
                     hits[j] += 1 / draws
     return (hits / max(1, total)).tolist()
