@@ -100,7 +100,7 @@ class BatchDecoder:
         generation's stats.wall is when its row finished (per-row latency). stop_at_eos=False decodes every row to
         max_new_tokens, through its EOS (vLLM's ignore_eos: a throughput bench's fixed lengths). streams: the rows'
         random streams, drawn on from where they are (default: fresh ones, row i seeded seed + i)."""
-        check_prompts(self.pair, prompts, max_new_tokens)
+        prompts = check_prompts(self.pair, prompts, max_new_tokens)
         if not prompts or not max_new_tokens:  # nothing to decode: no forward, as the engine returns no tokens
             self.stats, self.peak_bytes = Stats(), 0
             return [Generation([], "", Stats()) for _ in prompts]
@@ -175,7 +175,8 @@ class BatchDecoder:
     def _fit(draft: RowCache, target: RowCache, rows, text: Texts, k_max: int) -> int:
         """The round's most candidates, capped so neither cache grows past its model's width limit (RowCache.room).
         Each row fits alone (its limit keeps its text within the context); only a row near the context's end beside
-        rows that draft more can lower the others' count, and only on models whose width is bounded."""
+        rows that draft more can lower the others' count, and only on models whose cache width is bounded (a causal
+        buffer: GPT-Neo). There a sampled row's tokens can depend on such a neighbour; nowhere else."""
         unread = max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length))
         fit = min(k_max, draft.room(unread + k_max - 1) - unread + 1, target.room(k_max + 1) - 1)
         return max(0, fit)
@@ -302,7 +303,7 @@ class BatchAutoregressive:
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True) -> list[Generation]:
         """B prompts -> B generations, one forward of the batch per token (the first token's is the prefill);
         stop_at_eos as BatchDecoder.generate's."""
-        check_prompts(self.pair, prompts, max_new_tokens)
+        prompts = check_prompts(self.pair, prompts, max_new_tokens)
         if not prompts or not max_new_tokens:
             self.stats, self.peak_bytes = Stats(), 0
             return [Generation([], "", Stats()) for _ in prompts]

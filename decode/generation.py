@@ -70,12 +70,29 @@ class Generation:
     stats: Stats
 
 
+def token_ids(ids, where: str = "") -> list[int]:
+    """A prompt as a list of Python ints (from a list, tuple, numpy array or 1-D tensor of integer ids), or a
+    one-line ValueError that says what it is instead."""
+    if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):  # a numpy array or a tensor
+        if getattr(ids, "ndim", 1) != 1:
+            raise ValueError(f"{where}a prompt is a 1-D sequence of token ids, got an array of shape {tuple(ids.shape)}")
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{where}a prompt is a list of token ids, got {type(ids).__name__}: encode text with the pair's "
+                         "tokenizer (pair.encode)")
+    bad = next((x for x in ids if isinstance(x, bool) or not isinstance(x, numbers.Integral)), None)
+    if bad is not None:
+        raise ValueError(f"{where}token ids are integers, got {bad!r}: encode text with the pair's tokenizer (pair.encode)")
+    return [int(x) for x in ids]
+
+
 def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int, row: int | None = None) -> None:
     """Refuse, in one line that says how to fix it, a prompt or budget the decoders cannot serve; row names the
     prompt's place in a batch request."""
     where = "" if row is None else f"prompt {row} of the batch: "
-    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give a whole number of new tokens, 0 or more")
+    prompt_ids = token_ids(prompt_ids, where)
     if len(prompt_ids) == 0:
         raise ValueError(f"{where}the prompt is empty: give at least one token of text to continue")
     low, high = min(prompt_ids), max(prompt_ids)
@@ -89,9 +106,15 @@ def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int, row: in
                          f"context of {limit} tokens of pair {pair.config.name}: shorten the prompt or lower max_new_tokens")
 
 
-def check_prompts(pair: Pair, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """check_prompt over a batch request, naming the row at fault."""
-    if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+def check_prompts(pair: Pair, prompts, max_new_tokens: int) -> list[list[int]]:
+    """check_prompt over a batch request, naming the row at fault -> the prompts as lists of ints (a 2-D array or
+    tensor gives one prompt per row)."""
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", 0) == 2:
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or \
+            (len(prompts) and isinstance(prompts[0], numbers.Integral)):
         raise ValueError("prompts must be a list of token-id lists (one per row): wrap a single prompt as [ids]")
-    for i, ids in enumerate(prompts):
+    out = [token_ids(ids, f"prompt {i} of the batch: ") for i, ids in enumerate(prompts)]
+    for i, ids in enumerate(out):
         check_prompt(pair, ids, max_new_tokens, row=i)
+    return out

@@ -40,6 +40,14 @@ def position_limit(config) -> int | None:
     return next((int(v) for v in (getattr(config, f, None) for f in LIMIT_FIELDS) if v), None)
 
 
+def causal_buffer(model) -> int | None:
+    """The width of a square causal-mask buffer the model slices by key length (GPT-Neo registers one per layer,
+    max_positions wide): a cache wider than it cannot be attended. None where the model keeps none (masks built per
+    forward, as most families build them)."""
+    return next((int(b.shape[-1]) for _, b in model.named_buffers() if b.dtype == torch.bool and b.dim() == 4
+                 and b.shape[-1] == b.shape[-2] > 1), None)
+
+
 def windowed(config) -> bool:
     """Does any layer of this model config attend over a sliding window (measured in cache columns)? A config
     whose layer_types are all full attention does not, whatever window size it also carries (Qwen2's default)."""
@@ -57,7 +65,8 @@ class RowCache:
         self.model, self.pair, self.name, self.calls, self.hidden = model, pair, name, calls, hidden
         self.cache, self.device = new_cache(), input_device(model)
         self.holes = not windowed(model.config)
-        self.limit = position_limit(model.config)  # positions and cache width stay below it (None: unbounded)
+        self.limit = position_limit(model.config)  # positions stay below it (None: unbounded)
+        self.max_width = causal_buffer(model)  # the cache's width stays within it (None: unbounded)
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.length = torch.zeros(rows, dtype=torch.long)  # (B,) tokens each row holds
         self.peak_bytes = 0  # the largest its key and value buffers grew (decode.evaluation.batch reports it)
@@ -113,13 +122,13 @@ class RowCache:
         self.settle()
 
     def room(self, columns: int) -> int:
-        """Make room for `columns` more columns: a model whose cache width is bounded (self.limit) packs its rows when
-        the width would pass it -> the columns it can take now (a large number where nothing bounds it)."""
-        if self.limit is None or not self.width:
+        """Make room for `columns` more columns: a model whose cache width is bounded (self.max_width) packs its rows
+        when the width would pass it -> the columns it can take now (a large number where nothing bounds it)."""
+        if self.max_width is None or not self.width:
             return 1 << 30
-        if self.width + columns > self.limit and self.width > int(self.length.max()):
+        if self.width + columns > self.max_width and self.width > int(self.length.max()):
             self.compact()
-        return self.limit - self.width
+        return self.max_width - self.width
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kwargs):
         """(B, m) ids at (B, m) positions, appended after the cache's columns, under the (B, width + m) mask -> the

@@ -134,6 +134,7 @@ def _draw(trees, frontier, counts, raw, sampling, greedy, streams) -> list[list[
     choices, valued by its softmax; sampling: draws without replacement from q, valued by q (row r's uniforms from
     its own stream, one per child)."""
     new: list[list[int]] = [[] for _ in trees]
+    counts = [[min(m, raw.shape[-1]) for m in c] for c in counts]  # no node has more children than tokens exist
     at = [(b, j) for b, c in enumerate(counts) for j, m in enumerate(c) if m]
     if not at:
         return new

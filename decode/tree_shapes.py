@@ -65,6 +65,10 @@ class StaticTree(TreeShape):
     of k candidates is [(0,), (0, 0), ...]. Under sampling a rank is a draw's order (without replacement)."""
 
     def __init__(self, paths: Sequence[Sequence[int]]):
+        if isinstance(paths, (str, bytes)) or any(isinstance(p, (int, str, bytes)) or not all(
+                isinstance(j, int) and not isinstance(j, bool) and j >= 0 for j in p) for p in paths):
+            raise ValueError(f"a static tree is a list of rank paths, each a list of ranks >= 0 (e.g. [[0], [1], "
+                             f"[0, 0]]), got {paths!r}")
         self.paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
         if not self.paths or any(not p for p in self.paths):
             raise ValueError("a static tree needs at least one non-empty rank path, e.g. [[0], [1], [0, 0]]")
@@ -97,6 +101,10 @@ class SequoiaTree(StaticTree):
     decode.evaluation.tree_plan prints it and the nodes and depth that pay on this machine)."""
 
     def __init__(self, accept: Sequence[float], nodes: int = 16, depth: int = 6):
+        if isinstance(accept, (int, float)) or not accept or not all(0 < float(a) <= 1 for a in accept):
+            raise ValueError(f"SequoiaTree's accept is the positional acceptance vector, each entry in (0, 1] (python -m "
+                             f"decode.evaluation.tree_plan prints it), got {accept!r}")
+        _check_sizes("SequoiaTree", nodes=nodes, depth=depth)
         super().__init__(sequoia_paths(accept, nodes, depth))
         self.accept = list(accept)
 
@@ -124,10 +132,16 @@ class ConfidenceTree(TreeShape):
     expands the top_k frontier nodes by value, top_k children each; the target verifies the best `nodes` of all."""
 
     def __init__(self, top_k: int = 4, depth: int = 6, nodes: int = 16):
-        if top_k < 1 or depth < 1 or nodes < 1:
-            raise ValueError(f"ConfidenceTree needs top_k, depth and nodes >= 1, got {top_k}, {depth}, {nodes}")
+        _check_sizes("ConfidenceTree", top_k=top_k, depth=depth, nodes=nodes)
         self.top_k, self.depth, self.nodes = top_k, depth, nodes
 
     def children(self, level, value, path):
         best = set(sorted(range(len(value)), key=lambda i: -value[i])[: self.top_k])
         return [self.top_k if i in best else 0 for i in range(len(value))]
+
+
+def _check_sizes(name: str, **sizes) -> None:
+    """Each size a whole number >= 1, or a one-line ValueError naming it."""
+    for key, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} needs {key} to be a whole number >= 1, got {v!r}")

@@ -11,6 +11,7 @@ from decode.engine import SpeculativeDecoder
 from decode.pair import load_pair
 from decode.policies import FixedK
 from decode.rules import GreedyMatch, SpeculativeSampling
+from decode.tree_shapes import ConfidenceTree, SequoiaTree, StaticTree
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401  (arch_pairs is a fixture)
 from tests.test_batch import assert_rows_equal
 
@@ -103,3 +104,56 @@ def test_the_one_sequence_decoder_refuses_the_same_inputs(pycode):
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
         dec.generate([1, 2], -1)
     assert dec.generate([1, 2], 0).tokens == []
+
+
+@pytest.mark.parametrize("policy", [FixedK(3), ConfidenceTree(top_k=3, depth=4, nodes=64)], ids=["chain", "tree"])
+def test_a_sampled_row_beside_a_row_at_the_contexts_end_draws_what_it_draws_alone(pycode, policy):
+    """A neighbour near max_context caps nothing on a model without a causal buffer (GPT-2 builds its masks per
+    forward): row 0 drafts and draws as it does alone."""
+    pair = pycode.with_sampling(temperature=1.0)
+    p0, long = pair.encode("def add(a, b):\n    return"), (pair.encode("import os\n") * 200)[:505]
+    for seed in (11, 12):
+        batch = BatchDecoder(pair, policy, SpeculativeSampling(), seed=seed).generate([p0, long], 7)
+        alone = BatchDecoder(pair, policy, SpeculativeSampling(), seed=seed).generate([p0], 7)
+        assert batch[0].tokens == alone[0].tokens
+
+
+def test_prompts_of_any_plausible_type_work_or_are_refused_in_one_line(pycode):
+    import numpy as np
+    import torch
+
+    dec, ids = BatchDecoder(pycode.with_sampling(temperature=0.0), FixedK(2), GreedyMatch()), pycode.encode("def f(x):")
+    want = [g.tokens for g in dec.generate([ids, ids], 4)]
+    for form in (np.array([ids, ids]), torch.tensor([ids, ids]), [np.array(ids), torch.tensor(ids)], ((*ids,), ids)):
+        assert [g.tokens for g in dec.generate(form, 4)] == want
+    for bad, message in ((["def f():"], "prompt 0 of the batch: a prompt is a list of token ids, got str"),
+                         ([ids, None], "prompt 1 of the batch: a prompt is a list of token ids, got NoneType"),
+                         ([[ids]], "prompt 0 of the batch: token ids are integers"),
+                         ([[1.0, 2.0]], "prompt 0 of the batch: token ids are integers, got 1.0"),
+                         (np.array(ids), "prompts must be a list of token-id lists"),
+                         (torch.tensor(ids), "prompts must be a list of token-id lists")):
+        with pytest.raises(ValueError, match=message):
+            dec.generate(bad, 4)
+    with pytest.raises(ValueError, match="max_new_tokens=True"):
+        dec.generate([ids], True)
+    assert SpeculativeDecoder(pycode, FixedK(2), GreedyMatch()).generate(torch.tensor(ids), 3).tokens == \
+        SpeculativeDecoder(pycode, FixedK(2), GreedyMatch()).generate(ids, 3).tokens
+
+
+def test_tree_shapes_refuse_bad_sizes_in_one_line():
+    for make, message in ((lambda: StaticTree([0, 1]), "a static tree is a list of rank paths"),
+                          (lambda: StaticTree([[-1]]), "a static tree is a list of rank paths"),
+                          (lambda: SequoiaTree(0.7), "SequoiaTree's accept is the positional acceptance vector"),
+                          (lambda: SequoiaTree([0.5, 0.0]), "each entry in \\(0, 1\\]"),
+                          (lambda: SequoiaTree([0.5], depth=0), "SequoiaTree needs depth to be a whole number"),
+                          (lambda: ConfidenceTree(top_k=2.5), "ConfidenceTree needs top_k to be a whole number")):
+        with pytest.raises(ValueError, match=message):
+            make()
+
+
+def test_a_greedy_tree_wider_than_the_vocabulary_proposes_every_token_once(arch_pairs):
+    pair = no_eos(arch_pairs("llama", "float32")[1])
+    prompts = [pair.encode(t) for t in TEXTS[:3]]
+    want = BatchAutoregressive(pair).generate(prompts, 8)
+    got = BatchDecoder(pair, ConfidenceTree(top_k=pair.vocab + 5, depth=2, nodes=64), GreedyMatch()).generate(prompts, 8)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
