@@ -177,6 +177,8 @@ class BatchDecoder:
         Each row fits alone (its limit keeps its text within the context); only a row near the context's end beside
         rows that draft more can lower the others' count, and only on models whose cache width is bounded (a causal
         buffer: GPT-Neo). There a sampled row's tokens can depend on such a neighbour; nowhere else."""
+        if draft.max_width is None and target.max_width is None:  # nothing bounds the width (most models)
+            return k_max
         unread = max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length))
         fit = min(k_max, draft.room(unread + k_max - 1) - unread + 1, target.room(k_max + 1) - 1)
         return max(0, fit)
