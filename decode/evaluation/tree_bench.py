@@ -21,10 +21,10 @@ import numpy as np
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.evaluation.bench_config import encode_prompts
 from decode.evaluation.intervals import bootstrap_ci
+from decode.evaluation.tree_plan import SETTINGS
 from decode.pair import load_pair
 from decode.policies import FixedK
 from decode.rules import GreedyMatch, SpeculativeSampling
-from decode.evaluation.tree_plan import SETTINGS
 from decode.tree_shapes import ConfidenceTree, StaticTree
 
 CHAINS = (1, 2, 3, 4, 6)
