@@ -127,11 +127,10 @@ class BatchDecoder:
         while rows:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
-            if isinstance(ctl, TreeShape):
-                done = tree_round(ctl, self.pair.config.sampling, self.now, draft, target, rows, text, streams, limits, first, stats)
-                first = None
-            else:
-                done, first = self._chain_round(draft, target, rows, text, streams, limits, first, stats)
+            round_ = tree_round if isinstance(ctl, TreeShape) else self._chain_round
+            done = round_(ctl, self.pair.config.sampling, self.now, draft, target, rows, text, streams, limits, first,
+                          stats)
+            first = None  # the prefill's logits serve the first round alone
             if done:
                 for i in done:
                     ends[rows[i]] = self.now() - t_start
@@ -147,11 +146,10 @@ class BatchDecoder:
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
 
-    def _chain_round(self, draft: RowCache, target: RowCache, rows, text: Texts, streams: Streams, limits, first,
-                     stats) -> tuple[list[int], None]:
-        """One round of chains: each row drafts (the control decides how far), the target verifies, the caches keep
-        the accepted text -> the batch positions of rows done, and None (the prefill's logits are spent)."""
-        ctl = self.control
+    def _chain_round(self, ctl: BatchControl, sampling, now, draft: RowCache, target: RowCache, rows, text: Texts,
+                     streams: Streams, limits, first, stats) -> list[int]:
+        """One round of chains (tree_round's signature): each row drafts (the control decides how far), the target
+        verifies, the caches keep the accepted text -> the batch positions of rows done."""
         k_max = min(ctl.begin(len(rows), limits), max(limits))
         if k_max:
             k_max = self._fit(draft, target, rows, text, k_max)
@@ -169,7 +167,7 @@ class BatchDecoder:
             stats.accepted += none
             ctl.verified(none, none)
         stats.t_rule += self.now() - t0
-        return done, None
+        return done
 
     @staticmethod
     def _fit(draft: RowCache, target: RowCache, rows, text: Texts, k_max: int) -> int:

@@ -15,7 +15,7 @@ import torch
 from decode import rule_kernel
 from decode.batch import BatchDecoder
 from decode.costs import clock, head_cost, measure_costs
-from decode.generation import Generation, Stats, check_prompt, check_prompts, token_ids  # noqa: F401  (re-exported)
+from decode.generation import Generation, Stats, check_prompt, check_prompts  # noqa: F401  (re-exported)
 from decode.kvcache import crop_cache, forward, rollback_cache
 from decode.labels import accept_prob
 from decode.pair import Pair, input_device
@@ -183,8 +183,7 @@ class SpeculativeDecoder:
 
         on_tokens(list[int]) is called with each round's new tokens, for streaming.
         """
-        check_prompt(self.pair, prompt_ids, max_new_tokens)
-        prompt_ids = token_ids(prompt_ids)
+        prompt_ids = check_prompt(self.pair, prompt_ids, max_new_tokens)
         if self.rows is not None:
             out = self.rows.generate([prompt_ids], max_new_tokens, streams=self.gen)[0]  # the engine's stream
             if on_tokens is not None and out.tokens:  # a batch emits when its row ends: one call, not one a round
@@ -247,8 +246,7 @@ class Autoregressive:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
         """Prompt token ids -> new tokens, text and stats, one target (or draft) call per token."""
-        check_prompt(self.pair, prompt_ids, max_new_tokens)
-        prompt_ids = token_ids(prompt_ids)
+        prompt_ids = check_prompt(self.pair, prompt_ids, max_new_tokens)
         stats, eos = Stats(), set(self.pair.eos_ids)
         runner = Runner(getattr(self.pair, self.which), self.pair, name=self.which)
         slot = "t_target" if self.which == "target" else "t_draft"

@@ -86,9 +86,9 @@ def token_ids(ids, where: str = "") -> list[int]:
     return [int(x) for x in ids]
 
 
-def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int, row: int | None = None) -> None:
-    """Refuse, in one line that says how to fix it, a prompt or budget the decoders cannot serve; row names the
-    prompt's place in a batch request."""
+def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int, row: int | None = None) -> list[int]:
+    """Refuse, in one line that says how to fix it, a prompt or budget the decoders cannot serve -> the prompt as a
+    list of ints (token_ids); row names the prompt's place in a batch request."""
     where = "" if row is None else f"prompt {row} of the batch: "
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give a whole number of new tokens, 0 or more")
@@ -104,6 +104,7 @@ def check_prompt(pair: Pair, prompt_ids: list[int], max_new_tokens: int, row: in
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(f"{where}prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                          f"context of {limit} tokens of pair {pair.config.name}: shorten the prompt or lower max_new_tokens")
+    return prompt_ids
 
 
 def check_prompts(pair: Pair, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -114,7 +115,4 @@ def check_prompts(pair: Pair, prompts, max_new_tokens: int) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or \
             (len(prompts) and isinstance(prompts[0], numbers.Integral)):
         raise ValueError("prompts must be a list of token-id lists (one per row): wrap a single prompt as [ids]")
-    out = [token_ids(ids, f"prompt {i} of the batch: ") for i, ids in enumerate(prompts)]
-    for i, ids in enumerate(out):
-        check_prompt(pair, ids, max_new_tokens, row=i)
-    return out
+    return [check_prompt(pair, ids, max_new_tokens, row=i) for i, ids in enumerate(prompts)]

@@ -31,12 +31,12 @@ from decode.pair import Pair, input_device
 ROOM = 64  # columns of spare room a moved buffer keeps, so the next rounds append in place
 SLACK = 0.25  # holes may make the cache this much wider than its longest row before compact() packs it
 WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window")  # config fields that name an attention window
-LIMIT_FIELDS = ("max_position_embeddings", "n_positions")  # config fields that bound positions (and some caches' width)
+LIMIT_FIELDS = ("max_position_embeddings", "n_positions")  # config fields that bound positions
 
 
 def position_limit(config) -> int | None:
-    """The most positions a model config takes (None if it names no limit). Absolute-position models index an
-    embedding by position, and some (GPT-Neo) slice a causal buffer of this size by the cache's width."""
+    """The most positions a model config takes (None if it names no limit): absolute-position models index an
+    embedding by position."""
     return next((int(v) for v in (getattr(config, f, None) for f in LIMIT_FIELDS) if v), None)
 
 
@@ -82,12 +82,10 @@ class RowCache:
         once. trim False: the caller's keep() follows (so a model that must stay contiguous moves once, not twice)."""
         sizes = torch.tensor([len(c) for c in chunks])
         m = int(sizes.max())
-        ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
+        ids = self._padded(chunks, m)
         pos = self.length[:, None] + torch.arange(m)[None, :]
-        if self.limit is not None:  # filler (a stopped row's columns) is discarded, so any position serves it; a
-            pos = pos.clamp_max(self.limit - 1)  # row near the context's end must not index past the last one
         new = torch.arange(m)[None, :] < sizes[:, None]
-        logits, state = self._forward(ids, pos, torch.cat([self.valid, torch.ones_like(new)], 1))
+        logits, state = self._forward(ids, self._capped(pos), torch.cat([self.valid, torch.ones_like(new)], 1))
         self.valid, self.length = torch.cat([self.valid, new], 1), self.length + sizes
         if trim and bool((sizes < m).any()):
             self.settle()
@@ -101,13 +99,11 @@ class RowCache:
         ancestors in this chunk) -> logits and hidden states as feed()'s. (B, m) kept marks the new tokens that are
         kept text (a round's root); the rest are tree nodes until commit_columns keeps their accepted path."""
         m = max(len(c) for c in chunks)
-        ids = torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
-        if self.limit is not None:
-            pos = pos.clamp_max(self.limit - 1)
+        ids = self._padded(chunks, m)
         allowed = torch.cat([self.valid[:, None, :] | extra, among], 2)[:, None]  # (B, 1, m, width + m)
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        logits, state = self._forward(ids, pos, mask)
+        logits, state = self._forward(ids, self._capped(pos), mask)
         self.valid, self.length = torch.cat([self.valid, kept], 1), self.length + kept.sum(1)
         return logits, state
 
@@ -129,6 +125,15 @@ class RowCache:
         if self.width + columns > self.max_width and self.width > int(self.length.max()):
             self.compact()
         return self.max_width - self.width
+
+    def _padded(self, chunks: list[list[int]], m: int) -> torch.Tensor:
+        """(B, m) ids on the model's device: each chunk right-padded with its last token (filler, masked at once)."""
+        return torch.tensor([c + [c[-1] if c else 0] * (m - len(c)) for c in chunks], device=self.device)
+
+    def _capped(self, pos: torch.Tensor) -> torch.Tensor:
+        """A feed's positions, none past the model's last: filler (a stopped row's columns, a short chunk's padding)
+        is discarded, so any position serves it, and a row at the context's end must not index past the last one."""
+        return pos if self.limit is None else pos.clamp_max(self.limit - 1)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, **kwargs):
         """(B, m) ids at (B, m) positions, appended after the cache's columns, under the (B, width + m) mask -> the

@@ -110,17 +110,19 @@ def grow(shape: TreeShape, draft: RowCache, rows: list[int], text, streams: Stre
     raw = logits[torch.arange(len(rows)), torch.tensor([len(u) - 1 for u in unread])][:, None]  # (B, 1, V)
     trees = [RowTree([text.pending[r]]) for r in rows]
     frontier = [[0] for _ in rows]  # the nodes whose children this level draws, with raw[b, j] their logits
+    counts = [shape.children(0, [1.0], [()]) for _ in rows]  # how many children each frontier node gets
     for level in range(shape.depth):
-        counts = [shape.children(level, [t.value[i] for i in f], [t.path[i] for i in f]) if level < lim else
-                  [0] * len(f) for t, f, lim in zip(trees, frontier, limits)]
         t0 = now()
         new = _draw(trees, frontier, counts, raw, sampling, greedy, streams)
         stats.t_sample += now() - t0
         if level + 1 >= shape.depth:
             break
-        # the next level expands the new nodes the shape gives children, each read by the draft first
-        frontier = [[i for i, c in zip(n, shape.children(level + 1, [t.value[i] for i in n], [t.path[i] for i in n]))
-                     if c and level + 1 < lim] for t, n, lim in zip(trees, new, limits)]
+        # the next level expands the new nodes the shape gives children (a row within its limit), each read by the
+        # draft first
+        wide = [shape.children(level + 1, [t.value[i] for i in n], [t.path[i] for i in n]) if level + 1 < lim
+                else [0] * len(n) for t, n, lim in zip(trees, new, limits)]
+        frontier = [[i for i, c in zip(n, w) if c] for n, w in zip(new, wide)]
+        counts = [[c for c in w if c] for w in wide]
         if not any(frontier):
             break
         t0 = now()
