@@ -84,7 +84,8 @@ class _Timer:
         step's raw logits and state): a depth-3 acceptance head reading the draft's state and every extra, the
         shape of the shipped heads (its weights do not change its time)."""
         from decode.policies import DraftStep, HeadPolicy
-        from heads import EXTRAS, AcceptanceHead
+        from heads import AcceptanceHead
+        from heads.features import CHAIN_EXTRAS as EXTRAS
 
         width = self.models["draft"].config.hidden_size
         with torch.random.fork_rng(devices=[]):  # the head's random weights leave the caller's stream alone

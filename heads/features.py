@@ -12,6 +12,11 @@ The extra "accepted_run" is the number of positions right before the candidate w
 probabilities given that every earlier candidate of the round was accepted, which this extra states. Decoding
 knows it (decode.policies.HeadPolicy.verified); a label set knows it only along accepted text, so it needs
 target-prefix label sets (every sequence of kind "target", e.g. configs/data_gen/pycode-target.yaml).
+
+The extra "cand_rank" is the candidate's rank among the siblings a token tree drafts after the same node (0: the
+draft's first choice or first draw, 1: its second, ...; a chain's candidates are all rank 0), read as a number. A head
+reading it is trained on sibling labels (data_gen's `siblings`) and predicts the chance the candidate is accepted once
+its earlier siblings were rejected (decode.tree_shapes.HeadTree).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-EXTRAS = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")
+EXTRAS = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run", "cand_rank")
+CHAIN_EXTRAS = EXTRAS[:4]  # what a chain candidate's compiled decision (heads.kernels) computes; its rank is 0
 RUN_CAP = 16
 
 
@@ -46,10 +52,11 @@ class FeatureSpec:
 
     def build(self, hidden: torch.Tensor, draft_entropy: torch.Tensor, draft_top1: torch.Tensor,
               q_cand: torch.Tensor, dtype: torch.dtype = torch.float32,
-              accepted_run: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., H) hidden and (...) scalars -> (..., H + len(extras)) features in `dtype`."""
+              accepted_run: torch.Tensor | None = None, cand_rank: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., H) hidden and (...) scalars -> (..., H + len(extras)) features in `dtype` (cand_rank None: 0)."""
         scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
-                   "cand_logq": q_cand.float().clamp_min(1e-20).log()}
+                   "cand_logq": q_cand.float().clamp_min(1e-20).log(),
+                   "cand_rank": torch.zeros_like(q_cand, dtype=torch.float32) if cand_rank is None else cand_rank.float()}
         if "accepted_run" in self.extras:
             if accepted_run is None:
                 raise ValueError("this head reads the extra accepted_run: pass the accepted run before each candidate")
@@ -73,16 +80,17 @@ class FeatureSpec:
         for i, e in enumerate(self.extras):
             out[i] = (draft_entropy if e == "draft_entropy" else draft_top1 if e == "draft_top1" else
                       math.log(max(float(q_cand), 1e-20)) if e == "cand_logq" else
-                      math.log1p(min(max(accepted_run, 0), RUN_CAP)))
+                      0.0 if e == "cand_rank" else math.log1p(min(max(accepted_run, 0), RUN_CAP)))
         return out
 
     def rows(self, hidden: np.ndarray, draft_entropy: np.ndarray, draft_top1: np.ndarray, q_cand: np.ndarray,
-             accepted_run: np.ndarray) -> np.ndarray:
+             accepted_run: np.ndarray, cand_rank: np.ndarray | None = None) -> np.ndarray:
         """row() over R rows in numpy, (R, H) and (R,) arrays -> (R, H + len(extras)) float32 (decode.batch: a few
-        array ops per draft step for the whole batch, where torch pays per op at small batches)."""
+        array ops per draft step for the whole batch, where torch pays per op at small batches; cand_rank None: 0)."""
         scalars = {"draft_entropy": draft_entropy, "draft_top1": draft_top1,
                    "cand_logq": np.log(np.maximum(q_cand, 1e-20)),
-                   "accepted_run": np.log1p(np.minimum(np.maximum(accepted_run, 0), RUN_CAP))}  # not np.clip: 10x slower on a few rows
+                   "accepted_run": np.log1p(np.minimum(np.maximum(accepted_run, 0), RUN_CAP)),
+                   "cand_rank": np.zeros(len(hidden)) if cand_rank is None else cand_rank}  # not np.clip: 10x slower on a few rows
         cols = [np.asarray(hidden, dtype=np.float32)] + [np.asarray(scalars[e], dtype=np.float32)[:, None]
                                                           for e in self.extras]
         return np.concatenate(cols, axis=1)

@@ -134,8 +134,10 @@ def _head_step(logits, token, hidden, run, codes, work, inv, shift, w, b, w_out,
             extras[i] = top1
         elif c == 2:
             extras[i] = math.log(max(conf, 1e-20))
-        else:
+        elif c == 3:
             extras[i] = math.log1p(min(max(run, 0), RUN_CAP))
+        else:
+            extras[i] = 0.0  # cand_rank: a chain's candidate is its node's first child
     return _mlp_prob(hidden, extras, inv, shift, w, b, w_out, b_out), conf, ent, top1
 
 
