@@ -21,7 +21,7 @@ import torch
 from decode import rule_kernel
 from decode.batch_control import BatchControl, RowsStep, control_of
 from decode.batch_costs import batch_costs, table_sizes
-from decode.costs import clock, head_cost, measure_costs
+from decode.costs import clock, head_cost, measure_costs, tree_costs
 from decode.generation import Generation, Stats, check_prompts
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
@@ -88,8 +88,9 @@ class BatchDecoder:
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
         rule_kernel.warm(pair.vocab)
-        if isinstance(policy, HeadPolicy):
-            policy.bind(pair.identity("draft"), pair.config.sampling)
+        head = policy if isinstance(policy, HeadPolicy) else getattr(self.control, "head", None)
+        if isinstance(head, HeadPolicy):  # a policy's or a tree's head: trained for this draft and setting?
+            head.bind(pair.identity("draft"), pair.config.sampling)
         if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1
             policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
 
@@ -109,6 +110,8 @@ class BatchDecoder:
             sizes = self.cost_sizes or table_sizes(n)
             typical = sorted(map(len, prompts))[n // 2] + max_new_tokens // 2
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
+        if getattr(ctl, "needs_tree_costs", False) and ctl.costs is None:  # a tree priced by width and node count
+            ctl.set_tree_costs(tree_costs(self.pair, prompts[:8], nodes=ctl.nodes, width=min(16, ctl.nodes)))
         stats, t_start, ctx = Stats(), self.now(), self.pair.config.max_context
         eos = set(self.pair.eos_ids) if stop_at_eos else set()
         streams, calls = row_streams(self.pair, self.seed, n) if streams is None else streams, []  # the streams of the rows still decoding

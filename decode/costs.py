@@ -203,6 +203,11 @@ _COSTS: dict[tuple[int, int, int], CostModel] = {}
 
 
 @torch.no_grad()
+def tree_costs(pair: Pair, prompts: list[list[int]], nodes: int = 64, width: int = 16, repeats: int = 3) -> CostModel:
+    """ms of a draft forward of 1..width tokens and of a target forward of 1..nodes + 1 right after a draft's."""
+    return CostModel.measure(pair, prompts, n_max=nodes + 1, repeats=repeats, draft_n_max=width)
+
+
 def measure_costs(pair: Pair, prefix: int = 32, n_max: int = 21, repeats: int = 5) -> tuple[float, list[float]]:
     """(draft step, verify_ms) in ms on this machine, measured once per pair of loaded models, the way the bench's
     cost model times steps (CostModel: a cached forward plus the sampling work, medians over

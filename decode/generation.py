@@ -39,6 +39,7 @@ class Stats:
         return {"new_tokens": self.new_tokens, "tokens_per_s": self.new_tokens / max(self.wall, 1e-9),
                 "discard_rate": self.discarded / n, "verification_rate": self.target_calls / n,
                 "mean_accepted": sum(self.accepted) / max(1, len(self.accepted)),
+                "nodes_per_round": self.drafted / max(1, self.rounds),  # a chain's candidates, a tree's nodes verified
                 "target_calls": self.target_calls, "draft_calls": self.draft_calls, "wall_s": self.wall,
                 "t_draft_s": self.t_draft, "t_target_s": self.t_target, "t_head_s": self.t_head,
                 "t_sample_s": self.t_sample, "t_rule_s": self.t_rule, "t_stream_s": self.t_stream,

@@ -23,7 +23,7 @@ from decode import labels as L
 from decode.rowcache import RowCache
 from decode.sampling import argmax, sample, transform
 from decode.streams import Streams
-from decode.tree_shapes import TreeShape
+from decode.tree_shapes import NodeBatch, TreeShape
 
 
 @dataclass
@@ -105,36 +105,39 @@ def grow(shape: TreeShape, draft: RowCache, rows: list[int], text, streams: Stre
     greedy = sampling.temperature == 0
     unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
     t0 = now()
-    logits, _ = draft.feed(unread)
+    logits, hidden = draft.feed(unread)
     stats.t_draft, stats.draft_calls = stats.t_draft + now() - t0, stats.draft_calls + 1
-    raw = logits[torch.arange(len(rows)), torch.tensor([len(u) - 1 for u in unread])][:, None]  # (B, 1, V)
+    last = torch.tensor([len(u) - 1 for u in unread], device=logits.device)
+    at = torch.arange(len(rows), device=logits.device)
+    raw = logits[at, last][:, None]  # (B, 1, V)
+    state = None if hidden is None else hidden[at, last.to(hidden.device)][:, None]  # (B, 1, H)
     trees = [RowTree([text.pending[r]]) for r in rows]
     frontier = [[0] for _ in rows]  # the nodes whose children this level draws, with raw[b, j] their logits
-    counts = [shape.children(0, [1.0], [()]) for _ in rows]  # how many children each frontier node gets
+    counts = [shape.children(0, t, [0]) for t in trees]  # how many children each frontier node gets
     for level in range(shape.depth):
         t0 = now()
-        new = _draw(trees, frontier, counts, raw, sampling, greedy, streams)
+        new = _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams)
         stats.t_sample += now() - t0
         if level + 1 >= shape.depth:
             break
         # the next level expands the new nodes the shape gives children (a row within its limit), each read by the
         # draft first
-        wide = [shape.children(level + 1, [t.value[i] for i in n], [t.path[i] for i in n]) if level + 1 < lim
-                else [0] * len(n) for t, n, lim in zip(trees, new, limits)]
+        wide = [shape.children(level + 1, t, n) if level + 1 < lim else [0] * len(n)
+                for t, n, lim in zip(trees, new, limits)]
         frontier = [[i for i, c in zip(n, w) if c] for n, w in zip(new, wide)]
         counts = [[c for c in w if c] for w in wide]
         if not any(frontier):
             break
         t0 = now()
-        raw = _read(draft, trees, frontier, [len(text.committed[r]) for r in rows])
+        raw, state = _read(draft, trees, frontier, [len(text.committed[r]) for r in rows])
         stats.t_draft, stats.draft_calls = stats.t_draft + now() - t0, stats.draft_calls + 1
     return trees
 
 
-def _draw(trees, frontier, counts, raw, sampling, greedy, streams) -> list[list[int]]:
+def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams) -> list[list[int]]:
     """Add each frontier node's children (counts) to its tree -> each row's new nodes. Greedy: the draft's top
-    choices, valued by its softmax; sampling: draws without replacement from q, valued by q (row r's uniforms from
-    its own stream, one per child)."""
+    choices; sampling: draws without replacement from q (row r's uniforms from its own stream, one per child). The
+    shape weighs them (TreeShape.weigh: the draft's probabilities unless it asks a head)."""
     new: list[list[int]] = [[] for _ in trees]
     counts = [[min(m, raw.shape[-1]) for m in c] for c in counts]  # no node has more children than tokens exist
     at = [(b, j) for b, c in enumerate(counts) for j, m in enumerate(c) if m]
@@ -144,29 +147,35 @@ def _draw(trees, frontier, counts, raw, sampling, greedy, streams) -> list[list[
     logits = raw[idx[:, 0], idx[:, 1]]  # (N, V) the expanded nodes' logits
     m_of = [counts[b][j] for b, j in at]
     if greedy:
-        probs = logits.float().softmax(-1)
-        top = probs.topk(max(m_of), -1)
-        toks, vals = top.indices.tolist(), top.values.tolist()
-        for (b, j), m, tk, vl in zip(at, m_of, toks, vals):
-            for rank in range(m):
-                new[b].append(trees[b].add(frontier[b][j], tk[rank], rank, vl[rank]))
-        return new
-    q = transform(logits, sampling)
-    # row by row, each row's nodes in order: the order `at` lists them in, so the draws line up with the laws
-    u = streams.draw([sum(c) for c in counts]).tolist()
-    drawn = without_replacement(q, m_of, u)
-    for n, ((b, j), got) in enumerate(zip(at, drawn)):
+        top = logits.float().softmax(-1).topk(max(m_of), -1)
+        toks = [tk[:m] for tk, m in zip(top.indices.tolist(), m_of)]
+        probs = [vl[:m] for vl, m in zip(top.values.tolist(), m_of)]
+    else:
+        q = transform(logits, sampling)
+        # row by row, each row's nodes in order: the order `at` lists them in, so the draws line up with the laws
+        u = streams.draw([sum(c) for c in counts]).tolist()
+        toks = without_replacement(q, m_of, u)
+        flat = torch.tensor([t for got in toks for t in got], device=q.device)
+        owner = torch.tensor([n for n, got in enumerate(toks) for _ in got], device=q.device)
+        drawn = q[owner, flat].tolist() if len(flat) else []
+        probs, k = [], 0
+        for n, got in enumerate(toks):
+            probs.append(drawn[k:k + len(got)])
+            k += len(got)
+            trees[at[n][0]].q[frontier[at[n][0]][at[n][1]]] = q[n]
+    hidden = None if state is None else state[idx[:, 0].to(state.device), idx[:, 1].to(state.device)]
+    nodes = NodeBatch([b for b, _ in at], [trees[b].depth[frontier[b][j]] for b, j in at], logits, hidden, toks, probs)
+    weights = shape.weigh(level, nodes)
+    for (b, j), tk, w in zip(at, toks, weights):
         parent = frontier[b][j]
-        trees[b].q[parent] = q[n]
-        probs = q[n, torch.tensor(got, device=q.device)].tolist()
-        for rank, (tok, pr) in enumerate(zip(got, probs)):
+        for rank, (tok, pr) in enumerate(zip(tk, w)):
             new[b].append(trees[b].add(parent, tok, rank, pr))
     return new
 
 
-def _read(cache: RowCache, trees: list[RowTree], nodes: list[list[int]], roots: list[int]) -> torch.Tensor:
+def _read(cache: RowCache, trees: list[RowTree], nodes: list[list[int]], roots: list[int]):
     """The draft reads each row's `nodes` (one level), each attending to the kept text and its own ancestors ->
-    (B, m, V) their logits."""
+    (B, m, V) their logits and (B, m, H) hidden states (None unless the cache keeps them)."""
     m, width = max(map(len, nodes)), cache.width
     extra = torch.zeros(len(trees), m, width, dtype=torch.bool)
     pos = torch.zeros(len(trees), m, dtype=torch.long)
@@ -178,9 +187,8 @@ def _read(cache: RowCache, trees: list[RowTree], nodes: list[list[int]], roots: 
                 extra[b, j, cols] = True
             t.col[i] = width + j
     among = torch.eye(m, dtype=torch.bool).expand(len(trees), m, m)
-    logits, _ = cache.feed_tree([[t.tokens[i] for i in ns] for t, ns in zip(trees, nodes)], pos, extra, among,
-                                torch.zeros(len(trees), m, dtype=torch.bool))
-    return logits
+    return cache.feed_tree([[t.tokens[i] for i in ns] for t, ns in zip(trees, nodes)], pos, extra, among,
+                           torch.zeros(len(trees), m, dtype=torch.bool))
 
 
 def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch.Tensor | None) -> torch.Tensor:
@@ -315,7 +323,7 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     fit = max(1, min(most, target.room(most + 1) - 1))
     draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
     trees = grow(shape, draft, rows, text, streams, limits, s, stats, now)
-    trees = [t.subtree(shape.keep(t.value, t.parent, t.rank, fit)) for t in trees]
+    trees = [t.subtree(shape.keep(t, fit)) for t in trees]
     roots = [len(text.committed[r]) for r in rows]
     t0, width = now(), target.width
     logits = score(target, trees, roots, first)
@@ -334,5 +342,7 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     target.commit_columns(t_cols)
     draft.commit_columns(d_cols)
     shape.verified([len(v[0]) for v in verdicts], [len(t.tokens) - 1 for t in trees])
+    shape.tree_verified([len(v[0]) for v in verdicts],
+                        [not t.children().get(v[0][-1] if v[0] else 0) for t, v in zip(trees, verdicts)])
     stats.t_rule += now() - t0
     return done

@@ -15,6 +15,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
 
 from decode.batch_control import BatchControl
 
@@ -27,20 +30,48 @@ class TreeShape(BatchControl):
     def begin(self, b, remaining=None):
         return self.depth
 
-    def children(self, level: int, value: list[float], path: list[tuple[int, ...]]) -> list[int]:
-        """One row's frontier at `level` (0: the root alone): each node's path value and rank path -> how many
-        children the draft proposes for it (0: not expanded)."""
+    def children(self, level: int, tree, frontier: list[int]) -> list[int]:
+        """One row's tree (decode.tree.RowTree) and its frontier at `level` (0: the root alone) -> how many children
+        the draft proposes for each frontier node (0: not expanded)."""
         raise NotImplementedError
 
-    def keep(self, value: list[float], parent: list[int], rank: list[int], most: int) -> list[int]:
-        """One row's drafted tree (node 0 the root; value, parent and rank per node) -> the nodes the target verifies,
-        in drafting order: the best `most` by value, each with its parent and earlier siblings (best_first)."""
-        return best_first(value, parent, rank, most)
+    def weigh(self, level: int, nodes: NodeBatch) -> list[list[float]]:
+        """The expanded nodes of this level, their children drawn -> each child's chance to be on the accepted path
+        given its parent is (a node's value is the product along its path). By default the draft's probability of
+        the child (EAGLE-2's confidence); decode.head_tree.HeadTree asks a trained head."""
+        return nodes.probs
+
+    def keep(self, tree, most: int) -> list[int]:
+        """One row's drafted tree -> the nodes the target verifies, in drafting order: the best `most` by value, each
+        with its parent and earlier siblings (best_first)."""
+        return best_first(tree.value, tree.parent, tree.rank, most)
+
+    def tree_verified(self, accepted: list[int], whole: list[bool]) -> None:
+        """Each row's accepted path length, and whether the path ended at a leaf (no rejection ended it)."""
+
+
+@dataclass
+class NodeBatch:
+    """The nodes one level expands, over every row: row b of the batch, the node's depth, the draft's (V,) raw logits
+    and (H,) last hidden state after it (None unless the shape needs_hidden), and its children's tokens and draft
+    probabilities (greedy: the raw softmax's, sampling: the sampling law q's), in rank order."""
+
+    rows: list[int]
+    depth: list[int]
+    logits: torch.Tensor  # (N, V)
+    hidden: torch.Tensor | None  # (N, H)
+    tokens: list[list[int]]
+    probs: list[list[float]]
 
 
 def best_first(value: Sequence[float], parent: Sequence[int], rank: Sequence[int], most: int) -> list[int]:
     """The `most` highest-value nodes (node 0, the root, excluded) such that every kept node's parent and earlier
-    siblings are kept too, in increasing node order. A node becomes eligible once its parent and its previous sibling
+    siblings are kept too, in increasing node order (best_order's first `most`, sorted)."""
+    return sorted(best_order(value, parent, rank, most))
+
+
+def best_order(value: Sequence[float], parent: Sequence[int], rank: Sequence[int], most: int) -> list[int]:
+    """best_first's nodes in the order it keeps them: a node becomes eligible once its parent and its previous sibling
     are kept; the best eligible one is kept next (ties go to the earlier node)."""
     kids: dict[int, list[int]] = {}
     for i in range(1, len(value)):
@@ -56,7 +87,7 @@ def best_first(value: Sequence[float], parent: Sequence[int], rank: Sequence[int
         at = sibs.index(i)
         for j in ([sibs[at + 1]] if at + 1 < len(sibs) else []) + kids.get(i, [])[:1]:
             heapq.heappush(heap, (-value[j], j))
-    return sorted(kept)
+    return kept
 
 
 class StaticTree(TreeShape):
@@ -82,11 +113,11 @@ class StaticTree(TreeShape):
             self.wide[p[:-1]] = max(self.wide.get(p[:-1], 0), p[-1] + 1)
         self.nodes = len(self.paths)
 
-    def children(self, level, value, path):
-        return [self.wide.get(p, 0) for p in path]
+    def children(self, level, tree, frontier):
+        return [self.wide.get(tree.path[i], 0) for i in frontier]
 
-    def keep(self, value, parent, rank, most):
-        return list(range(1, min(len(value), most + 1)))  # every drafted node, in drafting order
+    def keep(self, tree, most):
+        return list(range(1, min(len(tree.value), most + 1)))  # every drafted node, in drafting order
 
     @classmethod
     def sequoia(cls, accept: Sequence[float], nodes: int, depth: int) -> StaticTree:
@@ -135,9 +166,9 @@ class ConfidenceTree(TreeShape):
         _check_sizes("ConfidenceTree", top_k=top_k, depth=depth, nodes=nodes)
         self.top_k, self.depth, self.nodes = top_k, depth, nodes
 
-    def children(self, level, value, path):
-        best = set(sorted(range(len(value)), key=lambda i: -value[i])[: self.top_k])
-        return [self.top_k if i in best else 0 for i in range(len(value))]
+    def children(self, level, tree, frontier):
+        best = set(sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k])
+        return [self.top_k if i in best else 0 for i in frontier]
 
 
 def _check_sizes(name: str, **sizes) -> None:

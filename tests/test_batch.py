@@ -16,7 +16,7 @@ from decode.engine import SpeculativeDecoder
 from decode.hf import hf_generate_batch
 from decode.policies import DraftConfidence, FixedK, SpecDecPP
 from decode.rules import GreedyMatch, SpeculativeSampling
-from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401  (arch_pairs is a fixture)
+from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
 from tests.test_decode import ALPHA, export_head, two_token_pvalue
 
 EXTRAS = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")

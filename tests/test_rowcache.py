@@ -8,7 +8,7 @@ import torch
 
 from decode import rowcache
 from decode.rowcache import RowCache, compaction, windowed
-from tests.test_archs import arch_pairs  # noqa: F401  (a fixture)
+from tests.test_archs import arch_pairs  # noqa: F401, F811  (a fixture)
 
 
 def probe(cache: RowCache, pair, texts: list[list[int]], token: int = 5) -> None:

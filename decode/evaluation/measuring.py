@@ -86,7 +86,7 @@ def rows_of(pair: Pair, methods: list[Method], res: dict, prompts: list[list[int
                **quality(pair, prompts, [per[0][0] for per in runs])}
         row["target_calls_per_token"] = row["verification_rate"]
         if m.kind == "hf":  # Hugging Face does not report its calls: no figure rather than a wrong one
-            for k in ("discard_rate", "verification_rate", "mean_accepted", "target_calls_per_token"):
+            for k in ("discard_rate", "verification_rate", "mean_accepted", "nodes_per_round", "target_calls_per_token"):
                 row[k] = None
         else:
             predicted = cost.predict_s(total.calls)

@@ -7,7 +7,7 @@ from pathlib import Path
 COLUMNS = [("method", "method", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
            ("speedup_ci", "95% interval", "{}"),
            ("discard_rate", "discard rate", "{:.3f}"), ("verification_rate", "verification rate", "{:.3f}"),
-           ("mean_accepted", "mean accepted", "{:.2f}"), ("target_calls_per_token", "target calls/token", "{:.3f}"),
+           ("mean_accepted", "mean accepted", "{:.2f}"), ("nodes_per_round", "nodes/round", "{:.1f}"), ("target_calls_per_token", "target calls/token", "{:.3f}"),
            ("cost_model_tokens_per_s", "cost-model tok/s", "{:.1f}"), ("engine_efficiency", "measured/predicted speed", "{:.2f}"),
            ("target_nll", "target NLL", "{:.3f}"),
            ("greedy_agreement", "greedy agreement", "{:.3f}"), ("parse_rate", "parses", "{:.2f}")]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decode.costs import CostModel
+from decode.costs import CostModel, tree_costs
 from decode.pair import Pair, load_pair
 from decode.sampling import transform
 from decode.tree import first_accepted, without_replacement
@@ -58,11 +58,6 @@ def positional_vector(pair: Pair, prompts: list[list[int]], new: int = 48, ranks
                 if j is not None:
                     hits[j] += 1 / draws
     return (hits / max(1, total)).tolist()
-
-
-def tree_costs(pair: Pair, prompts: list[list[int]], nodes: int = 64, width: int = 16, repeats: int = 3) -> CostModel:
-    """ms of a draft forward of 1..width tokens and of a target forward of 1..nodes + 1 right after a draft's."""
-    return CostModel.measure(pair, prompts, n_max=nodes + 1, repeats=repeats, draft_n_max=width)
 
 
 def round_ms(costs: CostModel, paths: list[tuple[int, ...]]) -> float:

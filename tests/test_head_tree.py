@@ -1,0 +1,108 @@
+"""The head tree (decode.head_tree.HeadTree): greedy output equals the target alone for every full-attention family in
+float32 and bfloat16 at batch 1 and 8; sampled head trees keep the target's law; a chain head is refused in one line;
+the measured costs size the tree (a flat verify grows it, a steep one keeps it small); the head's values are the
+chances a child is the accepted one."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from decode.batch import BatchAutoregressive, BatchDecoder
+from decode.costs import CostModel
+from decode.engine import SpeculativeDecoder
+from decode.head_tree import HeadTree
+from decode.rowcache import windowed
+from decode.rules import GreedyMatch
+from decode.tree_shapes import NodeBatch
+from tests.test_archs import MATRIX, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
+from tests.test_batch import assert_rows_equal, ragged
+from tests.test_decode import ALPHA, export_head
+from tests.test_tree import tree_pvalue
+
+SIBLING = {"position": "prev", "extras": ["draft_entropy", "draft_top1", "cand_logq", "accepted_run", "cand_rank"]}
+WIDE = {"draft": ([1, 512], [1.0, 1.0]), "target": ([1, 512], [10.0, 10.0])}  # past the step tables
+
+
+def sibling_head(tmp_path, pair, name="tree-head", bias=None, **kw) -> str:
+    """A random (or, with bias, constant) depth-2 sibling head exported for this pair's draft and setting."""
+    return export_head(tmp_path, pair, position="prev", extras=SIBLING["extras"], depth=2, name=name, bias=bias, **kw)
+
+
+def costs(per_node: float) -> CostModel:
+    """A draft level costs 1 ms whatever its width; verifying n tokens 10 + per_node * n ms."""
+    verify = [10.0 + per_node * n for n in range(512)]
+    return CostModel(step={"draft": [1.0] * 16, "target": verify}, switched={"target": verify},
+                     prefill={"draft": WIDE["draft"], "target": ([1, 512], [verify[0], verify[-1]])})
+
+
+def priced(head_dir, per_node=0.5, **kw) -> HeadTree:
+    shape = HeadTree(head_dir, **kw)
+    shape.set_tree_costs(costs(per_node))
+    return shape
+
+
+@pytest.mark.parametrize("family,dtype", MATRIX)
+def test_greedy_head_trees_equal_the_target_alone_at_batch_1_and_8(arch_pairs, family, dtype, tmp_path):
+    pair = no_eos(arch_pairs(family, dtype)[1])
+    head = sibling_head(tmp_path, pair)
+    if windowed(pair.target.config) or windowed(pair.draft.config):
+        with pytest.raises(ValueError, match="token trees need full attention"):
+            BatchDecoder(pair, priced(head), GreedyMatch())
+        return
+    for b in (1, 8):
+        prompts = ragged(pair, b)
+        want = BatchAutoregressive(pair).generate(prompts, 16)
+        got = BatchDecoder(pair, priced(head, top_k=3, depth=4, nodes=12), GreedyMatch()).generate(prompts, 16)
+        assert_rows_equal(pair, prompts, got, want, (family, dtype, b))
+    one = SpeculativeDecoder(pair, priced(head, per_node=0.0), GreedyMatch()).generate(prompts[2], 16)
+    assert_rows_equal(pair, prompts[2:3], [one], want[2:3], (family, dtype, "engine"))
+
+
+def test_sampled_head_trees_keep_the_targets_law(tiny_pair, tmp_path):
+    pair = dataclasses.replace(tiny_pair.with_sampling(temperature=1.0), eos_ids=(-1,))
+    head = sibling_head(tmp_path, pair)
+    assert tree_pvalue(pair, priced(head, per_node=0.0, top_k=4, depth=2, nodes=9), n=800, rows=8) > ALPHA
+
+
+def test_a_chain_head_or_one_for_another_setting_is_refused_in_one_line(tiny_pair, tmp_path):
+    pair = tiny_pair.with_sampling(temperature=0.0)
+    chain = export_head(tmp_path, pair, position="prev", extras=["cand_logq"], depth=2, name="chain")
+    with pytest.raises(ValueError, match="trained on chain candidates .* heads/specdecpp-tree.yaml") as info:
+        HeadTree(chain)
+    assert "\n" not in str(info.value)
+    t1 = sibling_head(tmp_path, pair.with_sampling(temperature=1.0), name="t1")
+    with pytest.raises(ValueError, match="trained for sampling t1 but the decoder samples greedy"):
+        BatchDecoder(pair, HeadTree(t1), GreedyMatch())
+    with pytest.raises(ValueError, match="HeadTree needs nodes to be a whole number >= 1"):
+        HeadTree(t1, nodes=0)
+
+
+def test_the_measured_costs_size_the_tree(tiny_pair, tmp_path):
+    """A head that says every child is accepted with chance 0.73 (constant): with a verify that costs nothing per
+    node the tree grows to its node budget; with one that costs a target step per node it stays a short chain."""
+    pair = dataclasses.replace(tiny_pair.with_sampling(temperature=0.0), eos_ids=(-1,))
+    head = sibling_head(tmp_path, pair, bias=1.0)
+    nodes = {}
+    for per_node in (0.0, 10.0):
+        dec = BatchDecoder(pair, priced(head, per_node=per_node, top_k=3, depth=6, nodes=20), GreedyMatch())
+        dec.generate(ragged(pair, 4), 24)
+        nodes[per_node] = dec.stats.drafted / dec.stats.rounds
+    assert nodes[0.0] > 15 and nodes[10.0] < 3, nodes
+
+
+def test_a_childs_value_is_its_chance_to_be_the_accepted_one(tiny_pair, tmp_path):
+    """weigh: a_j * prod_{i<j} (1 - a_i) with a constant head a = sigmoid(bias); the accepted run resets on a
+    rejection and grows by the path and the bonus on a path accepted to a leaf."""
+    import torch
+
+    pair = tiny_pair.with_sampling(temperature=0.0)
+    shape = HeadTree(sibling_head(tmp_path, pair, bias=0.0))  # a = 0.5
+    shape.start(2)
+    h = pair.draft.config.hidden_size
+    nodes = NodeBatch([0, 1], [0, 1], torch.zeros(2, pair.vocab), torch.zeros(2, h), [[5, 6, 7], [8]],
+                      [[0.5, 0.2, 0.1], [0.9]])
+    got = shape.weigh(1, nodes)
+    assert np.allclose(got[0], [0.5, 0.25, 0.125]) and np.allclose(got[1], [0.5])
+    shape.tree_verified([3, 1], [True, False])
+    assert shape.runs.tolist() == [4, 0]
