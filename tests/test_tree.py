@@ -166,22 +166,27 @@ def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
     assert len(big[0]) > 3 * len(small[0]) and big[1] > small[1]
 
 
-def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tmp_path):
+def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tiny_pair, tmp_path):
     """python -m decode.evaluation.tree_plan writes each setting's vector and tree, and the tree bench decodes them against
-    chains, printing a row per method with its interval against the dev-chosen chain."""
-    from decode.evaluation import tree_plan
-    from decode.evaluation import tree_bench
+    chains, printing a row per method with its interval against the dev-chosen chain; the head rows run where the
+    setting's heads exist and are left out, in one line, where they do not."""
+    from decode.evaluation import tree_bench, tree_plan
+    from tests.test_head_tree import sibling_head
 
     plan, out = tmp_path / "trees.json", tmp_path / "trees.md"
     tree_plan.main(["--pair", str(tiny_pair_yaml), "--prompts", "2", "--new", "6", "--settings", "greedy", "t1", "--nodes", "6", "--repeats", "1",
                     "--out", str(plan)])
     got = json.loads(plan.read_text())
     assert set(got) >= {"greedy", "t1", "costs"} and all(len(got[s]["v"]) == 4 for s in ("greedy", "t1"))
-    tree_bench.main(["--pair", str(tiny_pair_yaml), "--plan", str(plan), "--settings", "t1", "--dev", "1", "--test", "2", "--new", "6", "--out", str(out)])
+    sibling_head(tmp_path, tiny_pair.with_sampling(temperature=1.0), name="tree")  # T = 1: no suffix
+    tree_bench.main(["--pair", str(tiny_pair_yaml), "--plan", str(plan), "--settings", "t1", "--dev", "1", "--test", "2",
+                     "--new", "6", "--out", str(out), "--tree_head", str(tmp_path / "tree{suffix}"),
+                     "--chain_head", str(tmp_path / "none{suffix}")])
     text = out.read_text()
     assert "chain chosen on dev: K = " in text
-    for name in ("target", "chain K=1", "chain K=6", "tree sequoia", "tree confidence"):
+    for name in ("target", "chain K=1", "chain K=6", "tree sequoia", "tree confidence", "tree head"):
         assert f"| {name} |" in text
+    assert "| chain cost-aware |" not in text
 
 
 @pytest.mark.cuda

@@ -1,8 +1,10 @@
-"""python -m decode.evaluation.tree_bench --plan docs/bench/trees.json --settings greedy t1 [--test 16 --dev 8]
+"""python -m decode.evaluation.tree_bench --plan docs/bench/trees.json --settings greedy t1 [--sets pycode humaneval]
 
 Token trees against chains at batch 1 on the embedded pair: the target alone, fixed-K chains (K chosen on dev
-prompts, and the best K on test in hindsight), the Sequoia tree of decode.evaluation.tree_plan's plan and EAGLE-2's confidence
-tree, decoded one after another per test prompt in a seeded shuffled order. Under sampling every method decodes its
+prompts, and the best K on test in hindsight), the cost-aware chain (decode.policies.CostAwareStop on the setting's
+prev head), the Sequoia tree of decode.evaluation.tree_plan's plan, EAGLE-2's confidence tree and the head tree
+(decode.head_tree.HeadTree on the setting's sibling head), decoded one after another per test prompt in a seeded
+shuffled order. A head the checkpoints lack leaves its row out, saying so. Under sampling every method decodes its
 whole budget through EOS (fixed lengths, as the batch bench), so each prompt's tok/s ratio compares equal work.
 Each method's speedup over the dev-chosen chain is the geometric mean of per-prompt ratios, with a 95% bootstrap
 interval over prompts. Prints a markdown table per setting and writes them to --out.
@@ -19,23 +21,39 @@ from pathlib import Path
 import numpy as np
 
 from decode.engine import Autoregressive, SpeculativeDecoder
+from decode.evaluation.batch import suffix
 from decode.evaluation.bench_config import encode_prompts
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.tree_plan import SETTINGS
+from decode.head_tree import HeadTree
 from decode.pair import load_pair
-from decode.policies import FixedK
+from decode.policies import CostAwareStop, FixedK
 from decode.rules import GreedyMatch, SpeculativeSampling
 from decode.tree_shapes import ConfidenceTree, StaticTree
 
 CHAINS = (1, 2, 3, 4, 6)
+# each set's dev prompts (the chain's K is chosen there) and test prompts, as configs/bench/pycode.yaml splits them
+SETS = {"pycode": ({"name": "pycode", "split": "dev", "seed": 1}, {"name": "pycode", "split": "test", "seed": 0}),
+        "humaneval": ({"name": "humaneval", "split": "test", "seed": 0},
+                      {"name": "humaneval", "split": "test", "skip": 16, "seed": 0})}
 
 
-def decoders(pair, paths) -> dict:
-    """name -> decoder with generate(ids, n, stop_at_eos) -> (tokens, stats) (decode.engine's, one sequence)."""
+def decoders(pair, paths, chain_head: str, tree_head: str) -> dict:
+    """name -> decoder with generate(ids, n) -> Generation (decode.engine's, one sequence); the heads' folders as
+    templates of the setting's suffix."""
     rule = GreedyMatch() if pair.config.sampling.temperature == 0 else SpeculativeSampling()
     out = {"target": Autoregressive(pair)} | {f"chain K={k}": SpeculativeDecoder(pair, FixedK(k), rule) for k in CHAINS}
+    heads = {name: path.format(suffix=suffix(pair.config.sampling)) for name, path in
+             (("chain cost-aware", chain_head), ("tree head", tree_head))}
+    for name, path in heads.items():
+        if not (Path(path) / "config.json").exists():
+            print(f"no {path}: the row {name!r} is left out (README: rebuild the heads)", flush=True)
+    if (Path(heads["chain cost-aware"]) / "config.json").exists():
+        out["chain cost-aware"] = SpeculativeDecoder(pair, CostAwareStop(heads["chain cost-aware"]), rule)
     out["tree sequoia"] = SpeculativeDecoder(pair, StaticTree(paths), rule)
     out["tree confidence"] = SpeculativeDecoder(pair, ConfidenceTree(top_k=4, depth=6, nodes=16), rule)
+    if (Path(heads["tree head"]) / "config.json").exists():
+        out["tree head"] = SpeculativeDecoder(pair, HeadTree(heads["tree head"]), rule)
     return out
 
 
@@ -76,29 +94,35 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plan", default="docs/bench/trees.json", help="python -m decode.evaluation.tree_plan's output")
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--dev", type=int, default=8, help="dev prompts the chain's K is chosen on")
-    ap.add_argument("--test", type=int, default=16, help="pycode test prompts")
+    ap.add_argument("--test", type=int, default=16, help="test prompts of each set")
+    ap.add_argument("--sets", nargs="+", default=["pycode"], choices=list(SETS))
+    ap.add_argument("--chain_head", default="checkpoints/specdecpp-prev{suffix}", help="the cost-aware chain's head")
+    ap.add_argument("--tree_head", default="checkpoints/specdecpp-tree{suffix}", help="the head tree's sibling head")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/bench/trees.md")
     args = ap.parse_args(argv)
     plan, base, parts = json.loads(Path(args.plan).read_text()), load_pair(args.pair), []
-    dev = encode_prompts(base, {"name": "pycode", "split": "dev", "limit": args.dev, "seed": 1}, args.new)
-    test = encode_prompts(base, {"name": "pycode", "split": "test", "limit": args.test, "seed": 0}, args.new)
     for name in args.settings:
         if name not in plan:
             raise SystemExit(f"{args.plan} has no tree for {name}: run python -m decode.evaluation.tree_plan --settings {name}")
-        pair = base.with_sampling(**SETTINGS[name])
-        if pair.config.sampling.temperature > 0:  # fixed lengths: every method decodes its budget through EOS
-            pair = dataclasses.replace(pair, eos_ids=(-1,))
-        decs = decoders(pair, [tuple(p) for p in plan[name]["paths"]])
-        for d in decs.values():
-            d.generate(dev[0], 8)  # warm-up: compiled kernels, first allocations
-        chains = run({k: v for k, v in decs.items() if k.startswith("chain")}, dev, args.new, args.seed)
-        dev_k = max(CHAINS, key=lambda k: np.mean([r[0] for r in chains[f"chain K={k}"]]))
-        text = f"## {name} ({len(test)} pycode test prompts, {args.new} new tokens)\n\n" + \
-            table(run(decs, test, args.new, args.seed), dev_k)
-        print(text + "\n", flush=True)
-        parts.append(text)
+    for set_name in args.sets:
+        dev_raw, test_raw = SETS[set_name]
+        dev = encode_prompts(base, dev_raw | {"limit": args.dev}, args.new)
+        test = encode_prompts(base, test_raw | {"limit": args.test}, args.new)
+        for name in args.settings:
+            pair = base.with_sampling(**SETTINGS[name])
+            if pair.config.sampling.temperature > 0:  # fixed lengths: every method decodes its budget through EOS
+                pair = dataclasses.replace(pair, eos_ids=(-1,))
+            decs = decoders(pair, [tuple(p) for p in plan[name]["paths"]], args.chain_head, args.tree_head)
+            for d in decs.values():
+                d.generate(dev[0], 8)  # warm-up: compiled kernels, first allocations, a head tree's cost tables
+            chains = run({k: v for k, v in decs.items() if k.startswith("chain K")}, dev, args.new, args.seed)
+            dev_k = max(CHAINS, key=lambda k: np.mean([r[0] for r in chains[f"chain K={k}"]]))
+            text = f"## {set_name} {name} ({len(test)} {set_name} test prompts, {args.new} new tokens)\n\n" + \
+                table(run(decs, test, args.new, args.seed), dev_k)
+            print(text + "\n", flush=True)
+            parts.append(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("# Token trees against chains at batch 1\n\nWritten by `python -m "
                               "decode.evaluation.tree_bench`.\n\n" + "\n\n".join(parts) + "\n")
