@@ -169,7 +169,8 @@ def bench_numbers(folder: Path, config: Path, log: str) -> str:
 
 
 def setting_numbers(sub: list[dict]) -> str:
-    """'greedy B = 1/8/64: target 150/772/3256 tok/s, controller 0.98/1.02/1.20x, best fixed K 0.95x (K=3)/...'."""
+    """'greedy B = 1/8/64: target 150/772/3256 tok/s, controller 0.98/1.02/1.20x, best fixed K 0.95x (K=3)/...,
+    head tree 1.05x (B = 1)' (the head tree where the bench decoded one)."""
     sizes = sorted({int(r["batch_size"]) for r in sub})
     at = {(r["method"], int(r["batch_size"])): r for r in sub}
     best = [max((r for r in sub if int(r["batch_size"]) == b and r["method"].startswith("SD K=")),
@@ -177,7 +178,9 @@ def setting_numbers(sub: list[dict]) -> str:
     return (f"{sub[0]['setting']} B = {'/'.join(map(str, sizes))}: target "
             + "/".join(f"{float(at[('target', b)]['tokens_per_s']):.0f}" for b in sizes) + " tok/s, controller "
             + "/".join(f"{float(at[('batch controller', b)]['speedup']):.2f}" for b in sizes) + "x, best fixed K "
-            + "/".join(f"{float(r['speedup']):.2f}x ({r['method'].removeprefix('SD ')})" for r in best))
+            + "/".join(f"{float(r['speedup']):.2f}x ({r['method'].removeprefix('SD ')})" for r in best)
+            + "".join(f", head tree {float(at[('tree head', b)]['speedup']):.2f}x (B = {b})" for b in sizes
+                      if ("tree head", b) in at))
 
 
 def bench_config(cpu: bool, folder: Path) -> Path:

@@ -14,8 +14,9 @@ generate() on the left-padded batch), fixed K = 1..6, draft
 confidence per row, vLLM's batch-size table (decode.batch_control.BatchSizeK: per B, the best of K = 0..6 on one
 dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the powers of
 2 up to the largest batch size; before the test batches it decodes the dev batches the table is chosen on, so that
-it, like the table, has learned on dev what drafting yields at each size). The fixed K best over all batch sizes on
-dev (geometric mean) is marked: a user who sets one K.
+it, like the table, has learned on dev what drafting yields at each size), and at tree_sizes the head tree
+(decode.head_tree.HeadTree on the setting's sibling head, its cost tables measured once on a dev batch). The fixed K
+best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
 Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
 (batch_cache/), so an interrupted run resumes there.
 """
@@ -37,14 +38,17 @@ from data_gen.prompts import PromptSet
 from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.batch_control import BatchCostAware, BatchSizeK
 from decode.batch_costs import batch_costs, table_sizes
+from decode.costs import tree_costs
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.report import pyplot
+from decode.head_tree import HeadTree
 from decode.hf import hf_generate_batch
 from decode.pair import Pair, Sampling, load_pair
 from decode.policies import DraftConfidence, FixedK
 from decode.rules import SpeculativeSampling
 
 AGAIN = "target alone again (A/A)"
+TREE = "tree head"  # decodes at cfg.tree_sizes only
 COLUMNS = ["prompts", "setting", "batch_size", "method", "tokens_per_s", "speedup", "lo", "hi",
            "row_latency_s", "peak_kv_mib", "drafted", "batches", "note"]
 
@@ -62,6 +66,8 @@ class BatchBenchConfig:
     fixed_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     confidence: float = 0.4
     head: str = "checkpoints/specdecpp-prev{suffix}"  # {suffix}: "" at T = 1, "-greedy", ...
+    tree_head: str = "checkpoints/specdecpp-tree{suffix}"  # the head tree's sibling head ("": no head tree)
+    tree_sizes: list[int] = field(default_factory=lambda: [1, 8])  # the batch sizes the head tree decodes at
     max_new_tokens: int = 32
     # Settings (by name) whose rows decode max_new_tokens through their EOS, as serving benchmarks fix output lengths:
     # under sampling each method draws other text, and where rows stop at EOS a batch's tok/s is set by where its draws
@@ -134,6 +140,14 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
         BatchDecoder(pair, ctl, rule, cfg.seed + 7 + 1000 * i).generate(batch, cfg.max_new_tokens, stop)
         print(f"batch-bench: the batch controller calibrates on dev batch {i + 1}/{len(calibration)} of {len(batch)} "
               "rows", flush=True)
+    tree = cfg.tree_head.format(suffix=suffix(pair.config.sampling)) if cfg.tree_head else ""
+    if tree and (Path(tree) / "config.json").exists():  # one shape: its head loads once, its costs are measured once
+        shape = HeadTree(tree)
+        shape.set_tree_costs(tree_costs(pair, calibration[0] if calibration else [[0]], nodes=shape.nodes,
+                                        width=min(16, shape.nodes)))
+        out[TREE] = ours(lambda seed: BatchDecoder(pair, shape, rule, seed))
+    elif tree:
+        print(f"batch-bench: no {tree}, so no head tree rows (README: rebuild the heads)", flush=True)
     out |= {AGAIN: alone,  # the same work once more on the same batch: the run's A/A check (noise_floor)
             "HF generate (padded)": hf,
             f"draft confidence {cfg.confidence}": ours(lambda seed: BatchDecoder(pair, DraftConfidence(cfg.confidence), rule, seed)),
@@ -220,7 +234,8 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
                     calibration = [g for size in cfg.batch_sizes for g in dev_batches(dev, size)]
                     methods = runners(pair, cfg, table, cfg.batch_sizes, calibration)
                 groups = batches(test, b, cfg.repeats.get(b, 2))
-                res = measure(pair, methods, groups, cfg.seed, f"{setting} B={b}")
+                here = {k: v for k, v in methods.items() if k != TREE or b in cfg.tree_sizes}
+                res = measure(pair, here, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
                          "batch-size table (dev)": f"K = {BatchSizeK(table).begin(b)} at this size"}
                 path.write_text(json.dumps(summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes)))
@@ -247,10 +262,10 @@ def markdown(rows: list[dict]) -> str:
         lines += ["", "target alone: " + ", ".join(f"B = {t['batch_size']} {t['tokens_per_s']:.0f} tok/s, row latency "
                                                    f"{t['row_latency_s']:.2f} s, peak KV {t['peak_kv_mib']:.0f} MiB"
                                                    for t in target)]
-        for m in ("batch controller", "batch-size table (dev)"):
+        for m in ("batch controller", "batch-size table (dev)", TREE):
             got = [cell[(m, b)] for b in sizes if cell.get((m, b), {}).get("drafted") is not None]
             if got:
-                lines.append(f"\n{m}, candidates drafted per row and round: " +
+                lines.append(f"\n{m}, candidates (a tree's nodes) drafted per row and round: " +
                              ", ".join(f"B = {c['batch_size']} {c['drafted']:.2f}" for c in got))
         notes = sorted({f"{r['method']} at B = {r['batch_size']}: {r['note']}" for r in sub if r["note"]})
         lines += [""] + [f"- {n}" for n in notes] + ["", paired(sub, sizes), "", noise_floor(sub, sizes), ""]
