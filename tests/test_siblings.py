@@ -1,0 +1,86 @@
+"""Sibling labels (data_gen's `siblings`) and heads trained on them (LabelData(siblings=True))."""
+
+import pytest
+import torch
+
+from data_gen.generate import Mixing, exponential_, label_batch, prompt_generator
+from decode.sampling import transform
+
+TARGET = Mixing(shares={"target": 1.0})
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [3, 1, 4, 1, 5]]
+IDS = ["a", "b", "c", "d"]
+
+
+def label(pair, m=4, max_new=8, seed=0):
+    recs, _ = label_batch(pair, PROMPTS, IDS, ["target"] * 4, TARGET, seed, max_new, siblings=m)
+    return recs
+
+
+def brute_force(p, q, toks):
+    """Recursive rejection one position and one sibling at a time, in float64: (V,) p, q, sibling tokens -> alphas."""
+    r, left, out = p.double(), q.double(), []
+    for x in toks:
+        q_j = left / left.sum()
+        out.append(1.0 if q_j[x] == 0 else min(1.0, float(r[x] / q_j[x])))
+        res = (r - q_j).clamp_min(0)
+        r = res / res.sum() if res.sum() > 0 else r
+        left = q_j.clone()
+        left[x] = 0
+    return out
+
+
+@torch.no_grad()
+def fresh_laws(pair, rec):
+    """One fresh pass of each model over prompt + z -> (n, V) raw draft softmax, draft q and target p."""
+    seq, n = torch.tensor([rec["prompt_ids"] + rec["z"]]), len(rec["prompt_ids"])
+    d = pair.logits(pair.draft(seq).logits[0, n - 1: n - 1 + len(rec["z"])])
+    t = pair.logits(pair.target(seq).logits[0, n - 1: n - 1 + len(rec["z"])])
+    s = pair.config.sampling
+    return d.softmax(-1), transform(d, s), transform(t, s)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sibling_labels_equal_a_brute_force_from_p_and_q(tiny_pair, temperature):
+    pair, m, max_new = tiny_pair.with_sampling(temperature=temperature), 4, 8
+    checked = 0
+    for rec, pid in zip(label(pair, m, max_new), IDS):
+        raw, q, p = fresh_laws(pair, rec)
+        g = prompt_generator(0, pid)  # the candidates' noise follows the max_new rows of the responses'
+        e = exponential_(torch.rand(2 * max_new, pair.vocab, generator=g)[max_new:])
+        for i in range(len(rec["z"])):
+            if temperature == 0:  # the draft's top m by its raw softmax; 1 where it is the target's argmax
+                toks = raw[i].argsort(descending=True)[:m].tolist()
+                alpha = [float(x == int(p[i].argmax())) for x in toks]
+            else:  # the race q / E ordered: draws without replacement, rank 0 the candidate
+                toks = (q[i] / e[i]).argsort(descending=True)[:m].tolist()
+                alpha = brute_force(p[i], q[i], toks)
+                assert toks[0] == rec["candidate"][i] and rec["sib_alpha"][i][0] == pytest.approx(rec["alpha"][i], abs=1e-5)
+            assert rec["sib_tok"][i] == toks
+            assert rec["sib_q"][i] == pytest.approx((raw if temperature == 0 else q)[i, toks].tolist(), abs=1e-5)
+            assert rec["sib_alpha"][i] == pytest.approx(alpha, abs=1e-4)
+            checked += 1
+    assert checked > 20
+
+
+def test_siblings_pad_where_the_law_has_fewer_tokens_and_rerun_the_same(tiny_pair):
+    pair = tiny_pair.with_sampling(temperature=1.0, top_k=2)  # two tokens of mass at every position
+    recs = label(pair, m=4)
+    for rec in recs:
+        for tok, q, a in zip(rec["sib_tok"], rec["sib_q"], rec["sib_alpha"]):
+            assert tok[2:] == [-1, -1] and q[2:] == [0.0, 0.0] and a[2:] == [0.0, 0.0]
+            assert min(tok[:2]) >= 0 and tok[0] != tok[1] and min(q[:2]) > 0
+    assert label(pair, m=4) == recs  # seeded per prompt: a rerun (or a resumed run) labels the same
+    plain, _ = label_batch(pair, PROMPTS, IDS, ["target"] * 4, TARGET, 0, 8)
+    assert [{k: v for k, v in r.items() if not k.startswith("sib_")} for r in recs] == plain  # other columns as before
+
+
+def test_a_siblings_setting_change_is_refused_like_any_other(tmp_path):
+    from data_gen.module import Labeller
+    from data_gen.store import LabelSetMismatch, claim_output
+
+    meta = {"pair_hash": "h", "seed": 0, "mixing": {"r": 0.15}}
+    claim_output(tmp_path, meta)  # a set labelled without siblings records none: sets from before stay resumable
+    with pytest.raises(LabelSetMismatch, match="siblings: folder has None, this run has 4"):
+        claim_output(tmp_path, meta | {"siblings": 4})
+    with pytest.raises(ValueError, match="--model.siblings must be >= 0"):
+        Labeller(siblings=-1)
