@@ -84,3 +84,50 @@ def test_a_siblings_setting_change_is_refused_like_any_other(tmp_path):
         claim_output(tmp_path, meta | {"siblings": 4})
     with pytest.raises(ValueError, match="--model.siblings must be >= 0"):
         Labeller(siblings=-1)
+
+
+def sibling_records():
+    """Two positions of hand-made sibling labels: rank 1 is the argmax at the first, none is at the second, whose
+    law had three tokens (rank 3 padded)."""
+    import datasets
+
+    row = {"id": "s", "kind": "target", "z": [5, 6], "from_target": [True, True], "alpha": [0.0, 0.0],
+           "ratio_qp": [2.0, 3.0], "kl": [0.1, 0.2], "kl_qp": [0.1, 0.2], "js": [0.1, 0.2], "tv": [0.1, 0.2],
+           "draft_entropy": [1.0, 2.0], "draft_top1": [0.5, 0.4], "q_cand": [0.5, 0.4], "p_cand": [0.1, 0.2],
+           "sib_tok": [[3, 4, 7, 8], [6, 2, 9, -1]], "sib_q": [[0.5, 0.3, 0.1, 0.05], [0.4, 0.3, 0.2, 0.0]],
+           "sib_alpha": [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]}
+    return datasets.Dataset.from_list([row]), {"s": torch.arange(9.0).reshape(3, 3)}
+
+
+def test_flatten_with_siblings_keeps_a_greedy_rank_only_after_earlier_misses():
+    from heads.features import FeatureSpec
+    from train.data import flatten
+
+    ds, feats = sibling_records()
+    spec = FeatureSpec("prev", ["cand_logq", "accepted_run", "cand_rank"])
+    x, cols = flatten(ds, feats, spec, siblings=True, greedy=True)
+    # position 0: ranks 0, 1 (rank 1 was accepted, so 2 and 3 are never tested); position 1: ranks 0-2 (3 padded)
+    assert cols["rank"].tolist() == [0, 1, 0, 1, 2] and cols["alpha"].tolist() == [0, 1, 0, 0, 0]
+    assert cols["q_cand"].tolist() == pytest.approx([0.5, 0.3, 0.4, 0.3, 0.2])
+    assert cols["draft_entropy"].tolist() == [1, 1, 2, 2, 2] and "p_cand" not in cols  # p_cand: rank 0's alone
+    assert x[:, :3].tolist() == [[0, 1, 2]] * 2 + [[3, 4, 5]] * 3  # the state that produced the position's q
+    assert x[:, 3].tolist() == pytest.approx(torch.tensor([0.5, 0.3, 0.4, 0.3, 0.2]).log().tolist())
+    assert x[:, 4].tolist() == [0, 0, 0, 0, 0] and x[:, 5].tolist() == [0, 1, 0, 1, 2]  # one run per position
+    _, sampled = flatten(ds, feats, spec, siblings=True, greedy=False)  # alpha is conditional: every rank tested
+    assert sampled["rank"].tolist() == [0, 1, 2, 3, 0, 1, 2]
+
+
+def test_sibling_training_refuses_own_states_other_families_and_sets_without_siblings(tiny_pair):
+    import datasets
+
+    from heads.features import FeatureSpec
+    from train.data import LabelData, flatten
+    from train.labels import RatioThreshold
+
+    with pytest.raises(ValueError, match="position prev: .*sibling's own state does not exist"):
+        LabelData(siblings=True, features=FeatureSpec("own"))
+    with pytest.raises(ValueError, match="SoftAcceptance, not RatioThreshold"):
+        LabelData(siblings=True, features=FeatureSpec("prev"), label=RatioThreshold())
+    recs, feats = label_batch(tiny_pair, PROMPTS[:1], IDS[:1], ["target"], TARGET, 0, 4)
+    with pytest.raises(ValueError, match="no sibling labels.*relabel it with configs/data_gen/pycode-tree.yaml"):
+        flatten(datasets.Dataset.from_list(recs), dict(zip(IDS, feats)), FeatureSpec("prev"), siblings=True)
