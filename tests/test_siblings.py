@@ -131,3 +131,21 @@ def test_sibling_training_refuses_own_states_other_families_and_sets_without_sib
     recs, feats = label_batch(tiny_pair, PROMPTS[:1], IDS[:1], ["target"], TARGET, 0, 4)
     with pytest.raises(ValueError, match="no sibling labels.*relabel it with configs/data_gen/pycode-tree.yaml"):
         flatten(datasets.Dataset.from_list(recs), dict(zip(IDS, feats)), FeatureSpec("prev"), siblings=True)
+
+
+def test_the_closing_summary_gives_each_rank_its_reach_and_acceptance(tiny_pair_yaml, tmp_path):
+    from data_gen.__main__ import summarize_siblings
+    from data_gen.store import load_split
+    from tests.tiny import write_tiny_labels
+
+    write_tiny_labels(tmp_path, tiny_pair_yaml, n_train=4, n_dev=2, max_new=6, kinds=("target",), siblings=2)
+    out = tmp_path / "labels" / "t1"
+    lines = summarize_siblings(out, ["dev", "train"])
+    assert lines[0].startswith("| split | sibling rank | positions reaching it |") and len(lines) == 2 + 2 * 2
+    rows = load_split(out, "dev")
+    n, alpha0 = sum(len(r) for r in rows["z"]), [a[0] for r in rows["sib_alpha"] for a in r]
+    reach1 = sum(1 - a for a in alpha0)  # rank 1 is reached where rank 0 is rejected
+    assert lines[2].startswith(f"| dev | 0 | {n:.1f} | {sum(alpha0) / n:.4f} |")
+    assert lines[3].startswith(f"| dev | 1 | {reach1:.1f} |")
+    plain = write_tiny_labels(tmp_path / "plain", tiny_pair_yaml, n_train=2, n_dev=2, max_new=4)
+    assert summarize_siblings(plain.parent / "labels" / "t1", ["dev"]) == []  # a set without siblings: no table
