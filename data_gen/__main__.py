@@ -69,6 +69,28 @@ def summarize(output: Path, splits: list[str]) -> list[str]:
     return lines
 
 
+def summarize_siblings(output: Path, splits: list[str]) -> list[str]:
+    """Closing table of a set with sibling labels (none without): per split and rank j, how often recursive rejection
+    reaches j (the chance every earlier sibling is rejected, prod (1 - alpha_k); greedy: the earlier ones all missed),
+    and the chance j is accepted once reached: Sequoia's positional acceptance v_j on these prefixes."""
+    lines = []
+    for split in splits:
+        if not shard_dirs(output, split):
+            continue
+        ds = load_split(output, split)
+        if "sib_alpha" not in ds.column_names:
+            return []
+        ds = ds.select_columns(["sib_alpha", "sib_q"])
+        alpha, conf = (torch.tensor([v for row in ds[k] for v in row], dtype=torch.float64) for k in ds.column_names)
+        reach = torch.cat([torch.ones_like(alpha[:, :1]), (1 - alpha).cumprod(1)[:, :-1]], 1)
+        for j in range(alpha.shape[1]):
+            w = reach[:, j]
+            lines.append(f"| {split} | {j} | {w.sum():.1f} | {(w * alpha[:, j]).sum() / w.sum().clamp_min(1e-12):.4f} | "
+                         f"{(w * conf[:, j]).sum() / w.sum().clamp_min(1e-12):.4f} |")
+    head = "| split | sibling rank | positions reaching it | accepted once reached | its draft probability |"
+    return [head, "|---|---|---|---|---|", *lines] if lines else []
+
+
 class Interrupted(BaseException):
     """SIGTERM or SIGINT arrived: stop labelling now (BaseException, so nothing on the way swallows it)."""
 
@@ -173,7 +195,8 @@ def report(cli) -> None:
         print(f"prompts {c['prompts']}: {c['empty_skipped']} empty skipped, {c['truncated']} truncated to their "
               f"last tokens, {c['already_done']} already labelled (resumed)")
         splits = sorted({i["split"] for i in data.items} | {p.name for p in data.output_dir.iterdir() if p.is_dir()})
-        for line in summarize(data.output_dir, splits):
+        sib = summarize_siblings(data.output_dir, splits)
+        for line in summarize(data.output_dir, splits) + ([""] + sib if sib else []):
             print(line)
 
 

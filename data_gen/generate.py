@@ -133,6 +133,17 @@ def race_argmax(probs: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return (probs.clamp_min(0) / e).argmax(-1)
 
 
+def siblings_of(q: torch.Tensor, q_raw: torch.Tensor | None, e: torch.Tensor, m: int, greedy: bool) -> torch.Tensor:
+    """(B, V) q, q_raw (None: q), the candidate's exponential noise -> (B, m) siblings, rank 0 first, -1 past the
+    tokens with mass. Greedy: the draft's top m by its raw softmax (q is one-hot). Sampling: m draws from q without
+    replacement, in the order the race q / E finishes (the Gumbel-top-k trick), so rank 0 is the candidate itself
+    and the siblings cost no noise of their own."""
+    keys = (q if q_raw is None else q_raw) if greedy else q.clamp_min(0) / e
+    vals, tok = keys.topk(min(m, keys.shape[-1]), dim=-1)
+    tok = torch.where(vals > 0, tok, -1)
+    return torch.nn.functional.pad(tok, (0, m - tok.shape[-1]), value=-1)  # a vocabulary smaller than m
+
+
 def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists -> (B, T) ids and (B, T) attention mask, padded on the left."""
     width = max(len(s) for s in seqs)
@@ -194,12 +205,14 @@ def sample_responses(pair: Pair, ids, mask, noise: RowNoise, max_new: int) -> Re
 
 
 @torch.no_grad()
-def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise, scores: PositionScores, phase):
+def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise, scores: PositionScores, phase,
+               siblings: int = 0):
     """Draft pass over the response with candidates and mixing; each position goes to `scores` as it is made.
 
     (B, T) prompts, (B, N) responses, (B,) r per row -> dict of (B, N) candidate, z, from_target and
     (B, N + 1, H) draft last-layer hidden states (index 0: last prompt token). scores receives (B, V) q, q_raw
-    (the softmax of the raw logits; None when the setting is plain T = 1, where it equals q), the candidate, z.
+    (the softmax of the raw logits; None when the setting is plain T = 1, where it equals q), the candidate, z,
+    and with `siblings` m > 0 the (B, m) siblings a token tree would draft there (siblings_of).
     """
     s, dev, into = pair.config.sampling, pair.device, pair.input_device("draft")
     plain = s.temperature == 1.0 and s.top_k == 0 and s.top_p >= 1.0
@@ -214,16 +227,18 @@ def draft_walk(pair: Pair, ids, mask, y, ratios: torch.Tensor, noise: RowNoise, 
         with phase("draft walk"):
             logits = pair.logits(out.logits[:, -1])
             q = transform(logits, s)
-            c = race_argmax(q, noise.candidate(t).to(dev, non_blocking=True))
+            e = noise.candidate(t).to(dev, non_blocking=True)
+            c = race_argmax(q, e)
             from_target = mix[:, t] < ratios
             z = torch.where(from_target, y[:, t], c)
             cands.append(c), zs.append(z), froms.append(from_target)
             raw = None if plain else logits.softmax(-1)
+            sib = siblings_of(q, raw, e, siblings, s.temperature == 0) if siblings else None
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=into)], dim=1)
             out, state = forward(pair.draft, z[:, None].to(into), cache, hidden=True, attention_mask=mask,
                                  position_ids=positions(mask)[:, -1:])
             hidden.append(state[:, -1])
-        scores.add(q, raw, c, z)
+        scores.add(q, raw, c, z, sib)
     return {"candidate": torch.stack(cands, 1), "z": torch.stack(zs, 1), "from_target": torch.stack(froms, 1),
             "hidden": torch.stack(hidden, 1)}
 
@@ -250,10 +265,13 @@ class Phases:
 
 @torch.no_grad()
 def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: list[str], mixing: Mixing,
-                seed: int, max_new: int, phases: Phases | None = None) -> tuple[list[dict], list[torch.Tensor]]:
+                seed: int, max_new: int, phases: Phases | None = None,
+                siblings: int = 0) -> tuple[list[dict], list[torch.Tensor]]:
     """Token-id prompts -> one record per prompt and its (n_i + 1, H) float16 draft hidden states.
 
-    `phases` (optional) accumulates the seconds of each phase, for data_gen.bench's breakdown.
+    `phases` (optional) accumulates the seconds of each phase, for data_gen.bench's breakdown. With `siblings` m > 0
+    each record also holds (n_i, m) sib_tok, sib_q and sib_alpha (decode.labels.sibling_labels); the other columns
+    are the same as without.
     """
     phase = phases or (lambda name: nullcontext())
     with phase("noise"):
@@ -264,7 +282,7 @@ def label_batch(pair: Pair, prompts: list[list[int]], ids: list[str], kinds: lis
         resp = sample_responses(pair, x, mask, noise, max_new)
     y, lengths = resp.tokens, resp.lengths
     scores = PositionScores(pair, resp, mask, PositionScores.chunk_for(len(prompts), pair.vocab), phase)
-    walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise, scores, phase)
+    walk = draft_walk(pair, x, mask, y, torch.tensor([mixing.ratio(k) for k in kinds]), noise, scores, phase, siblings)
     stats = scores.result()
     with phase("records"):
         records, feats = [], []

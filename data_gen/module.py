@@ -110,9 +110,13 @@ class Labeller(L.LightningModule):
 
     def __init__(self, pair: str = "configs/pairs/pycode.yaml", mixing: Mixing | None = None, seed: int = 0,
                  max_new_tokens: int = 96, cache_features: bool = True, threads: int = 0,
-                 sampling: Sampling | None = None):
-        """sampling: the setting responses and labels are made under (None: the pair's own)."""
+                 sampling: Sampling | None = None, siblings: int = 0):
+        """sampling: the setting responses and labels are made under (None: the pair's own). siblings: m > 0 also
+        labels, at every position, the m children a token tree drafts there (data_gen.generate.siblings_of)."""
         super().__init__()
+        if siblings < 0:
+            raise ValueError(f"--model.siblings must be >= 0 (0: no sibling labels), got {siblings}")
+        self.siblings = siblings
         self.pair_path, self.mixing, self.seed, self.sampling = pair, mixing or Mixing(), seed, sampling
         self.max_new_tokens, self.cache_features, self.threads = max_new_tokens, cache_features, threads
         self.pair = None
@@ -146,7 +150,7 @@ class Labeller(L.LightningModule):
             "mixing": {"shares": self.mixing.shares, "r": self.mixing.r}, "max_new_tokens": self.max_new_tokens,
             "prompts": [vars(p) for p in self.trainer.datamodule.prompt_sets], "code_version": code_version(),
             "hidden_states": "draft last layer (after final norm); row 0 = last prompt token, row i = after z_i",
-        }
+        } | ({"siblings": self.siblings} if self.siblings else {})  # absent at 0: older label sets stay resumable
 
     def kind_of(self, pid: str) -> str:
         """Prefix kind of one prompt, drawn by the shares from a hash of (seed, id): stable across runs."""
@@ -159,7 +163,7 @@ class Labeller(L.LightningModule):
     def predict_step(self, batch: list[dict], batch_idx: int):
         kinds = [self.kind_of(b["id"]) for b in batch]
         records, feats = label_batch(self.pair, [b["prompt_ids"] for b in batch], [b["id"] for b in batch], kinds,
-                                     self.mixing, self.seed, self.max_new_tokens)
+                                     self.mixing, self.seed, self.max_new_tokens, siblings=self.siblings)
         return {"splits": [b["split"] for b in batch], "records": records,
                 "feats": feats if self.cache_features else None}
 

@@ -1,7 +1,7 @@
 """Per-position labels of a batch, scored a stretch of positions at a time as the draft walk makes them.
 
     scores = PositionScores(pair, responses, prompt_mask, chunk=PositionScores.chunk_for(B, V))
-    scores.add(q_t, q_raw_t, candidate_t, z_t)   # for t = 0 .. N - 1, in order
+    scores.add(q_t, q_raw_t, candidate_t, z_t[, siblings_t])   # for t = 0 .. N - 1, in order
     stats = scores.result()                      # dict of (B, N) per-position quantities
 
 The target reads z in stretches (its cache continues from the prompt, which it read while sampling), p is
@@ -41,9 +41,11 @@ class PositionScores:
         """Positions per stretch so that one (B, n, V) float32 tensor stays within `budget` bytes."""
         return max(1, budget // (4 * batch * vocab))
 
-    def add(self, q: torch.Tensor, q_raw: torch.Tensor | None, cand: torch.Tensor, z: torch.Tensor) -> None:
-        """(B, V) q and q_raw (or None), (B,) candidate and the token the draft read next, of the next position."""
-        self.pending.append((q, q_raw, cand))
+    def add(self, q: torch.Tensor, q_raw: torch.Tensor | None, cand: torch.Tensor, z: torch.Tensor,
+            sib: torch.Tensor | None = None) -> None:
+        """(B, V) q and q_raw (or None), (B,) candidate and the token the draft read next [, (B, m) siblings], of the
+        next position."""
+        self.pending.append((q, q_raw, cand, sib))
         self.zs.append(z)
         if len(self.pending) == self.chunk:
             self.flush()
@@ -66,11 +68,13 @@ class PositionScores:
                 self.fed = e - 1
             p = transform(torch.cat(logits, 1), self.pair.config.sampling)
         with self.phase("statistics"):
-            q, q_raw, cand = (None if x[0] is None else torch.stack(x, 1) for x in zip(*self.pending))
-            self.parts.append(position_stats(p, q, cand, q_raw))
+            q, q_raw, cand, sib = (None if x[0] is None else torch.stack(x, 1) for x in zip(*self.pending))
+            greedy = self.pair.config.sampling.temperature == 0
+            self.parts.append(position_stats(p, q, cand, q_raw, None if sib is None else sib.to(p.device), greedy))
         self.scored, self.pending = e, []
 
     def result(self) -> dict[str, torch.Tensor]:
-        """dict of (B, N) per-position quantities (decode.labels.position_stats) over every position added."""
+        """dict of (B, N) per-position quantities (decode.labels.position_stats) over every position added; (B, N, m)
+        for the siblings' columns."""
         self.flush()
         return {k: torch.cat([part[k] for part in self.parts], 1) for k in self.parts[0]}

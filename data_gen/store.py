@@ -1,6 +1,6 @@
 """Label sets on disk: Arrow shards written with `datasets`, one metadata record, feature shards.
 
-    <output>/metadata.json                       pair, hashes, sampling, seed, mixing, code version
+    <output>/metadata.json                       pair, hashes, sampling, seed, mixing, siblings, code version
     <output>/<split>/<shard>/                    a Dataset.save_to_disk folder, one row per sequence
     <output>/<split>/<shard>.features.safetensors  (sum_i (n_i + 1), H) float16 draft hidden states
 
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 datasets.disable_progress_bars()
 
 # Keys whose values must match for new records to join an existing label set.
-IDENTITY_KEYS = ("pair_hash", "draft", "target", "sampling", "seed", "mixing", "max_new_tokens")
+IDENTITY_KEYS = ("pair_hash", "draft", "target", "sampling", "seed", "mixing", "max_new_tokens", "siblings")
 
 
 class LabelSetMismatch(ValueError):

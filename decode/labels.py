@@ -93,6 +93,33 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
+def sibling_tests(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection at N nodes at once: (N, V) target laws p, (N, V) draft laws q, (N, m) children drawn from
+    q without replacement (-1: none) -> (N, m) the chance child j is accepted once the children before it were
+    rejected, min(1, r_j(x_j) / q_j(x_j)), and (N, V) the law r_{m+1} the token comes from once all are rejected;
+    r_1 = p, r_{j+1} = norm(max(r_j - q_j, 0)), q_j = q with x_1..x_{j-1} removed and renormalised.
+    Token trees decide with it (decode.tree) and data_gen labels siblings with it (sibling_labels)."""
+    r, alpha = p, torch.zeros(x.shape, dtype=p.dtype, device=p.device)
+    for j in range(x.shape[1]):
+        has, xj = x[:, j] >= 0, x[:, j:j + 1].clamp_min(0)
+        q_j = q if j == 0 else q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
+        alpha[:, j] = torch.where(has, accept_prob(r.gather(1, xj)[:, 0], q_j.gather(1, xj)[:, 0]), 0.0)
+        r = torch.where(has[:, None], residual(r, q_j), r)
+        q = torch.where(has[:, None], q_j.scatter(1, xj, 0.0), q)
+    return alpha, r
+
+
+def sibling_labels(p: torch.Tensor, q: torch.Tensor, conf: torch.Tensor, sib: torch.Tensor,
+                   greedy: bool) -> dict[str, torch.Tensor]:
+    """(M, V) p, q, the draft's confidence law and (M, m) siblings (-1: none) -> dict of (M, m) sib_tok, sib_q (the
+    sibling's probability under conf, 0 for none) and sib_alpha: greedy, 1 where the sibling is the target's argmax
+    (p is one-hot; q is too, so recursive rejection does not apply); sampling, sibling_tests' chance that it is
+    accepted once the siblings before it were rejected."""
+    has, x = sib >= 0, sib.clamp_min(0)
+    alpha = (p.gather(-1, x) > 0).to(p.dtype) if greedy else sibling_tests(p, q, sib)[0]
+    return {"sib_tok": sib, "sib_q": torch.where(has, conf.gather(-1, x), 0.0), "sib_alpha": torch.where(has, alpha, 0.0)}
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(...) values, (...) bool mask -> () mean over the masked-in entries (inf/nan elsewhere ignored)."""
     x = torch.where(mask, x, torch.zeros_like(x))
@@ -102,9 +129,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 CHUNK = 1 << 16  # probabilities per chunk of position_stats: ten (rows, V) temporaries stay in a 1 MiB L2
 
 
-def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor,
-                   q_raw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """(..., V) p, (..., V) q, (...) draft candidates [, (..., V) q_raw] -> dict of (...) per-position quantities.
+def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor, q_raw: torch.Tensor | None = None,
+                   sib: torch.Tensor | None = None, greedy: bool = False) -> dict[str, torch.Tensor]:
+    """(..., V) p, (..., V) q, (...) draft candidates [, (..., V) q_raw] [, (..., m) siblings] -> dict of (...)
+    per-position quantities, and with siblings (..., m) sib_tok, sib_q and sib_alpha (sibling_labels).
 
     Computed over chunks of positions: on a whole batch every one of the ~ten passes below reads and
     writes (B, N, V) floats from main memory; on a chunk they stay in cache.
@@ -112,11 +140,15 @@ def position_stats(p: torch.Tensor, q: torch.Tensor, cand: torch.Tensor,
     rows, V = cand.numel(), p.shape[-1]
     p2, q2, c2 = p.reshape(rows, V), q.reshape(rows, V), cand.reshape(rows)
     r2 = None if q_raw is None else q_raw.reshape(rows, V)
+    s2 = None if sib is None else sib.reshape(rows, -1)
     step, parts = max(1, CHUNK // V), []
     for i in range(0, max(rows, 1), step):
         s = slice(i, i + step)
-        parts.append(_stats(p2[s], q2[s], c2[s], None if r2 is None else r2[s]))
-    return {k: torch.cat([d[k] for d in parts]).reshape(cand.shape) for k in parts[0]}
+        part = _stats(p2[s], q2[s], c2[s], None if r2 is None else r2[s])
+        if s2 is not None:
+            part |= sibling_labels(p2[s], q2[s], q2[s] if r2 is None else r2[s], s2[s], greedy)
+        parts.append(part)
+    return {k: torch.cat([d[k] for d in parts]).reshape(*cand.shape, *parts[0][k].shape[1:]) for k in parts[0]}
 
 
 def _dot_log(a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:

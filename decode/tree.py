@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode import labels as L
+from decode.labels import sibling_tests
 from decode.rowcache import RowCache
 from decode.sampling import argmax, sample, transform
 from decode.streams import Streams
@@ -272,21 +272,6 @@ def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams)
     law = torch.stack([left[w[1]] if w[0] == "left" else next(leaf_p) for w in laws])
     last = torch.tensor([[u[starts[b + 1] - 1]] for b in range(len(trees))], dtype=torch.float64, device=law.device)
     return list(zip(paths, sample(law, u=last).tolist()))
-
-
-def sibling_tests(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recursive rejection at N nodes at once: (N, V) target laws p, (N, V) draft laws q, (N, m) children drawn from
-    q without replacement (-1: none) -> (N, m) the chance child j is accepted once the children before it were
-    rejected, min(1, r_j(x_j) / q_j(x_j)), and (N, V) the law r_{m+1} the token comes from once all are rejected;
-    r_1 = p, r_{j+1} = norm(max(r_j - q_j, 0)), q_j = q with x_1..x_{j-1} removed and renormalised."""
-    r, alpha = p, torch.zeros(x.shape, dtype=p.dtype, device=p.device)
-    for j in range(x.shape[1]):
-        has, xj = x[:, j] >= 0, x[:, j:j + 1].clamp_min(0)
-        q_j = q if j == 0 else q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny)
-        alpha[:, j] = torch.where(has, L.accept_prob(r.gather(1, xj)[:, 0], q_j.gather(1, xj)[:, 0]), 0.0)
-        r = torch.where(has[:, None], L.residual(r, q_j), r)
-        q = torch.where(has[:, None], q_j.scatter(1, xj, 0.0), q)
-    return alpha, r
 
 
 def first_accepted(p: torch.Tensor, q: torch.Tensor, tokens: list[int], u: list[float]) -> int | None:

@@ -36,6 +36,14 @@ def tiny_target_labels(tiny_pair_yaml, tmp_path_factory):
     return write_tiny_labels(tmp_path_factory.mktemp("target-labels"), tiny_pair_yaml, kinds=("target",))
 
 
+@pytest.fixture(scope="module")
+def tiny_tree_labels(tiny_pair_yaml, tmp_path_factory):
+    """Target prefixes with 4 siblings labelled per position, what heads/specdecpp-tree.yaml reads."""
+    from tests.tiny import write_tiny_labels
+
+    return write_tiny_labels(tmp_path_factory.mktemp("tree-labels"), tiny_pair_yaml, kinds=("target",), siblings=4)
+
+
 def test_the_accepted_run_counts_the_accepted_positions_before_each_and_needs_target_prefixes():
     from train.data import accepted_runs
 
@@ -122,11 +130,12 @@ def test_every_recipe_parses_through_the_cli(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tiny_target_labels, tmp_path):
+def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tiny_target_labels, tiny_tree_labels, tmp_path, capsys):
     from train.cli import cli
 
-    if "accepted_run" in yaml.safe_load(recipe.read_text())["data"]["features"]["extras"]:
-        tiny_labels = tiny_target_labels
+    data = yaml.safe_load(recipe.read_text())["data"]
+    if "accepted_run" in data["features"]["extras"]:
+        tiny_labels = tiny_tree_labels if data.get("siblings") else tiny_target_labels
 
     def edit(cfg):
         cfg["data"]["labels"] = str(yaml.safe_load(tiny_labels.read_text())["data"]["output"])
@@ -150,6 +159,17 @@ def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tiny_target_labels
     x = run.datamodule.tensors["dev"].tensors[0]
     assert torch.allclose(head.prob(x), run.model.head.eval().prob(x))
     assert json.loads((out / "config.json").read_text())["features"]["position"] in ("own", "prev")
+    said = capsys.readouterr().out
+    if data.get("siblings"):  # a tree's head: trained on siblings, and its report ranks the children beyond the first
+        assert cfg["siblings"] == 4 and [r["ranks"] for r in cfg["metrics"]["by_rank"]][:2] == [">= 1", "0"]
+        assert "dev siblings of rank >= 1: AUROC" in said and "dev siblings of rank 1: AUROC" in said
+        assert set(run.datamodule.columns["dev"]["rank"].tolist()) == {0.0, 1.0, 2.0, 3.0}
+        from train.roc import main as roc
+
+        roc(["--heads", str(out), "--out", str(tmp_path / "roc.png")])  # python -m train roc reads the same rows
+        assert "| exported, siblings of rank >= 1 |" in capsys.readouterr().out
+    else:
+        assert "siblings" not in cfg and "siblings of rank" not in said
 
 
 def test_sweep_grid_parsing_and_paths():

@@ -55,9 +55,9 @@ def write_tiny_pair(root: Path, seed: int = 0, draft_alphabet: list[str] = ALPHA
 
 
 def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int = 24, max_new: int = 16,
-                      kinds: tuple[str, ...] = ("mixed", "draft", "target", "prompt")) -> Path:
-    """A label set of the tiny pair (splits train and dev, sequences of `kinds` in turn) and the data_gen config
-    that names it."""
+                      kinds: tuple[str, ...] = ("mixed", "draft", "target", "prompt"), siblings: int = 0) -> Path:
+    """A label set of the tiny pair (splits train and dev, sequences of `kinds` in turn, `siblings` labelled per
+    position) and the data_gen config that names it."""
     from data_gen.generate import Mixing, label_batch
     from data_gen.store import claim_output, write_shard
     from decode.pair import load_pair
@@ -66,11 +66,12 @@ def write_tiny_labels(root: Path, pair_yaml: Path, n_train: int = 48, n_dev: int
     out = root / "labels" / pair.config.sampling.name
     claim_output(out, {"pair": "tiny", "pair_hash": pair.config.hash(), "draft": pair.identity("draft"),
                        "target": pair.identity("target"), "sampling": vars(pair.config.sampling), "seed": 0,
-                       "mixing": {"r": 0.15}, "max_new_tokens": max_new})
+                       "mixing": {"r": 0.15}, "max_new_tokens": max_new} | ({"siblings": siblings} if siblings else {}))
     for split, n in (("train", n_train), ("dev", n_dev)):
         prompts = [[1 + (i * 5 + j) % 22 for j in range(2 + i % 6)] for i in range(n)]
         kinds_ = [kinds[i % len(kinds)] for i in range(n)]
-        recs, feats = label_batch(pair, prompts, [f"{split}{i}" for i in range(n)], kinds_, Mixing(), 0, max_new)
+        recs, feats = label_batch(pair, prompts, [f"{split}{i}" for i in range(n)], kinds_, Mixing(), 0, max_new,
+                                  siblings=siblings)
         write_shard(out, split, recs, feats, rank=0)
     cfg = root / "data_gen.yaml"
     cfg.write_text(yaml.safe_dump({"data": {"pair": str(pair_yaml), "output": str(out.parent), "max_new_tokens": max_new}}))

@@ -28,6 +28,9 @@ from train.labels import LabelFamily, SoftAcceptance
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 COLUMNS = ("alpha", "ratio_qp", "kl", "kl_qp", "js", "tv", "draft_entropy", "draft_top1", "q_cand", "p_cand")
+# A sibling's row: alpha and q_cand are the sibling's own, the divergences and the draft's scalars its position's;
+# p_cand and ratio_qp exist for the candidate alone (rank 0), so they are left out.
+SIBLING_COLUMNS = tuple(c for c in COLUMNS if c not in ("ratio_qp", "p_cand")) + ("rank",)
 
 
 def resolve(path: str) -> Path:
@@ -50,13 +53,20 @@ def live_features(pair_yaml: str, rows) -> dict[str, torch.Tensor]:
     return out
 
 
-def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sequences -> (N, dim) features and (N,) columns, one row per usable position.
+def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec, siblings: bool = False,
+            greedy: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sequences -> (N, dim) features and (N,) columns, one row per usable position, or with `siblings` one per
+    usable sibling of each position (sibling_rows; greedy: the label set's setting is temperature 0).
 
     "own" features exist only where the draft read its own candidate (z_i = c_i), the positions
     the loss is defined on; "prev" features exist at every position.
     """
-    xs, cols = [], {c: [] for c in COLUMNS}
+    if siblings:
+        check_siblings(spec)
+        if "sib_tok" not in ds.column_names:
+            raise ValueError("this label set has no sibling labels (no sib_tok column): relabel it with "
+                             "configs/data_gen/pycode-tree.yaml (model.siblings > 0) or set data.siblings false")
+    xs, cols = [], {c: [] for c in (SIBLING_COLUMNS if siblings else COLUMNS)}
     gen = torch.Generator().manual_seed(0)  # the acceptances behind accepted_run under sampling (alpha is a probability)
     for r in ds:
         h = feats[r["id"]]
@@ -68,10 +78,37 @@ def flatten(ds, feats: dict[str, torch.Tensor], spec: FeatureSpec) -> tuple[torc
         hid = h[1:] if spec.position == "own" else h[:-1]
         c = {k: torch.tensor(r[k], dtype=torch.float32)[keep] for k in COLUMNS}
         run = accepted_runs(r, gen)[keep] if "accepted_run" in spec.extras else None
-        xs.append(spec.build(hid[keep], c["draft_entropy"], c["draft_top1"], c["q_cand"], dtype, run))
-        for k in COLUMNS:
+        rank = None
+        if siblings:  # position "prev": every position is kept, so index i is the position itself
+            i, rank = sibling_rows(r, greedy)
+            hid, run = hid[i], None if run is None else run[i]  # a position's siblings share its accepted run
+            c = {k: c[k][i] for k in SIBLING_COLUMNS[:-1]} | {"rank": rank.float()}
+            c["alpha"], c["q_cand"] = (torch.tensor(r[k], dtype=torch.float32)[i, rank] for k in ("sib_alpha", "sib_q"))
+        xs.append(spec.build(hid[keep] if rank is None else hid, c["draft_entropy"], c["draft_top1"], c["q_cand"],
+                             dtype, run, rank))
+        for k in cols:
             cols[k].append(c[k])
     return torch.cat(xs), {k: torch.cat(v) for k, v in cols.items()}
+
+
+def sibling_rows(r: dict, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence with sibling labels -> (R,) positions and (R,) ranks of its rows, position by position.
+
+    A row predicts the chance sibling j is accepted once siblings 0..j-1 were rejected. Under greedy only the
+    target's argmax is accepted, so rank j is tested only where no earlier sibling was it; under sampling alpha is
+    already that conditional chance, and every rank has a row. Padding (-1: the law had fewer tokens) has none."""
+    tok, alpha = (torch.tensor(r[k]).reshape(len(r["z"]), -1) for k in ("sib_tok", "sib_alpha"))
+    keep = tok >= 0
+    if greedy:
+        keep &= (alpha.cumsum(1) - alpha) == 0
+    return keep.nonzero(as_tuple=True)
+
+
+def check_siblings(spec: FeatureSpec) -> None:
+    """Refuse what sibling rows cannot feed: the state after a sibling (only one token was read per position)."""
+    if spec.position == "own":
+        raise ValueError("sibling rows need features at position prev: the draft reads one token per position, so a "
+                         "sibling's own state does not exist (set --data.features.position prev)")
 
 
 def accepted_runs(r: dict, gen: torch.Generator) -> torch.Tensor:
@@ -114,12 +151,20 @@ class LabelData(L.LightningDataModule):
     def __init__(self, labels: str = "data/pycode", build_config: str = "configs/data_gen/pycode.yaml",
                  label: LabelFamily | None = None, features: FeatureSpec | None = None, train_split: str = "train",
                  val_split: str = "dev", batch_size: int = 512, feature_source: str = "cache", seed: int = 0,
-                 sampling: Sampling | None = None):
+                 sampling: Sampling | None = None, siblings: bool = False):
         """labels: the label set's base folder; the records are read from <labels>/<sampling name>.
-        sampling: the setting the head is trained for and will decode under (None: the pair's own)."""
+        sampling: the setting the head is trained for and will decode under (None: the pair's own).
+        siblings: one row per sibling a token tree drafts (flatten), for heads that value a tree's children; needs a
+        label set with sibling labels (configs/data_gen/pycode-tree.yaml)."""
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--data.batch_size must be >= 1, got {batch_size}")
+        if siblings:
+            check_siblings(features or FeatureSpec())
+            if not isinstance(label or SoftAcceptance(), SoftAcceptance):
+                raise ValueError(f"sibling labels hold each sibling's acceptance alone: train them with "
+                                 f"train.labels.SoftAcceptance, not {type(label).__name__}")
+        self.siblings = siblings
         self.labels, self.build_config, self.sampling = labels, build_config, sampling
         self.label, self.features = label or SoftAcceptance(), features or FeatureSpec()
         self.train_split, self.val_split, self.batch_size = train_split, val_split, batch_size
@@ -196,7 +241,7 @@ class LabelData(L.LightningDataModule):
         if feats is None:
             pair_yaml = yaml_pair(self.build_config)
             feats = live_features(pair_yaml, ds)
-        x, cols = flatten(ds, feats, self.features)
+        x, cols = flatten(ds, feats, self.features, self.siblings, self.setting.temperature == 0)
         target, event = self.label.target(cols), self.label.event(cols, self.seed)
         return TensorDataset(x, target, event), cols
 
@@ -209,7 +254,8 @@ class LabelData(L.LightningDataModule):
         """What the exported head records about its data."""
         m = metadata(self.folder)
         return {"labels": str(Path(self.labels) / self.setting.name), "label": self.label.meta(), "features": self.features.to_dict(),
-                "draft": m["draft"], "target": m["target"], "sampling": m["sampling"], "pair": m["pair"]}
+                "draft": m["draft"], "target": m["target"], "sampling": m["sampling"], "pair": m["pair"]} | \
+            ({"siblings": m["siblings"]} if self.siblings else {})  # a tree's head, recorded so that decode can refuse it for a chain
 
     def train_dataloader(self) -> DataLoader:
         sampler = EpochSampler(len(self.tensors[self.train_split]), self.seed)

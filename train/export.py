@@ -10,7 +10,7 @@ from sklearn.metrics import roc_auc_score
 
 from heads.io import save_pretrained
 from train.labels import binary_kl
-from train.roc import plot_rocs, youden_threshold
+from train.roc import plot_rocs, rank_lines, rank_rows, youden_threshold
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,10 @@ class ExportHead(Callback):
             "draft_confidence_ece": ece(data.columns[data.val_split]["q_cand"], event),
             "epochs": trainer.current_epoch,
         }
+        conf, rank = data.columns[data.val_split]["q_cand"].numpy(), data.columns[data.val_split].get("rank")
+        by_rank = None if rank is None else rank_rows(p, e, conf, rank.numpy())
+        if by_rank is not None:  # a tree's head: how it ranks the children a chain never drafts, by themselves
+            metrics["by_rank"] = by_rank
         meta = data.meta() | {"metrics": metrics, "recommended_threshold": youden_threshold(p, e),
                               "calibration": {"a": a, "b": b, "fitted_on": data.val_split},
                               "train": dict(pl_module.hparams)}
@@ -58,14 +62,18 @@ class ExportHead(Callback):
         name = self.name + data.head_suffix
         out = (out if out.is_absolute() else ROOT / out) / name
         save_pretrained(head, out, meta)
-        conf = data.columns[data.val_split]["q_cand"].numpy()
-        plot_rocs([(name, p, e), ("draft confidence q(x)", conf, e)], out / "roc.png",
-                  f"{name} on {data.labels}:{data.val_split}")
+        curves = [(name, p, e), ("draft confidence q(x)", conf, e)]
+        if by_rank is not None and 0 < by_rank[0]["positive_rate"] < 1:  # a curve needs both outcomes
+            m = rank.numpy() >= 1
+            curves += [(f"{name}, siblings of rank >= 1", p[m], e[m]), ("draft confidence q(x), rank >= 1", conf[m], e[m])]
+        plot_rocs(curves, out / "roc.png", f"{name} on {data.labels}:{data.val_split}")
         print(f"\nexported head -> {out}\n{data.val_split}: AUROC {metrics['auroc']:.4f} "
               f"(draft confidence {metrics['draft_confidence_auroc']:.4f}), binary KL {metrics['binary_kl']:.4f}, "
               f"Brier {metrics['brier']:.4f}, calibration error {metrics['ece_raw']:.4f} -> {metrics['ece']:.4f} "
               f"calibrated (draft confidence {metrics['draft_confidence_ece']:.4f}), positions {metrics['positions']}",
               flush=True)
+        for line in rank_lines(data.val_split, by_rank or []):
+            print(line, flush=True)
         self.exported = out
         self.metrics = metrics
 

@@ -42,6 +42,28 @@ def rates_at(prob: np.ndarray, event: np.ndarray, threshold: float) -> tuple[flo
     return float(pred[pos].mean()) if pos.any() else float("nan"), float(pred[neg].mean()) if neg.any() else float("nan")
 
 
+def auroc(event: np.ndarray, score: np.ndarray) -> float:
+    """AUROC of a score against 0/1 events; nan where the events are all of one kind (no curve exists)."""
+    return float(roc_auc_score(event, score)) if 0 < event.mean() < 1 else float("nan")
+
+
+def rank_rows(prob: np.ndarray, event: np.ndarray, conf: np.ndarray, rank: np.ndarray) -> list[dict]:
+    """(N,) head probabilities, events, draft confidences and sibling ranks -> one dict per group of rows: the
+    siblings of rank >= 1 together (the children only a tree drafts), then each rank; positions, positive rate,
+    the head's AUROC and the draft confidence's on the same rows."""
+    groups = [(">= 1", rank >= 1)] + [(str(j), rank == j) for j in range(int(rank.max()) + 1 if len(rank) else 0)]
+    return [{"ranks": name, "positions": int(m.sum()), "positive_rate": float(event[m].mean()) if m.any() else float("nan"),
+             "auroc": auroc(event[m], prob[m]) if m.any() else float("nan"),
+             "draft_confidence_auroc": auroc(event[m], conf[m]) if m.any() else float("nan")} for name, m in groups]
+
+
+def rank_lines(split: str, rows: list[dict]) -> list[str]:
+    """The report's lines of rank_rows: siblings of rank >= 1, then one line per rank."""
+    return [f"{split} siblings of rank {r['ranks']}: AUROC "
+            f"{r['auroc']:.4f} (draft confidence {r['draft_confidence_auroc']:.4f}), positions {r['positions']}"
+            for r in rows]
+
+
 def plot_rocs(curves: list[tuple[str, np.ndarray, np.ndarray]], path: Path, title: str) -> Path:
     """curves of (label, prob, event) -> one PNG of ROC curves with AUCs in the legend."""
     import matplotlib
@@ -66,14 +88,17 @@ def plot_rocs(curves: list[tuple[str, np.ndarray, np.ndarray]], path: Path, titl
 
 @torch.no_grad()
 def score_head(head_dir: str, labels: str | None, split: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-    """(name, head prob, event, draft confidence) over the positions the head was trained for."""
+    """(name, head prob, event, draft confidence, sibling rank or None) over the positions the head was trained for
+    (a head trained on siblings: its sibling rows)."""
     head, cfg = from_pretrained(head_dir)
     spec = FeatureSpec(**cfg["features"])
     labels = labels or cfg["labels"]  # by default the label set (and sampling setting) the head was trained on
     ds = load_split(resolve(labels), split)
-    x, cols = flatten(ds, load_features(resolve(labels), split), spec)
+    siblings = bool(cfg.get("siblings"))
+    x, cols = flatten(ds, load_features(resolve(labels), split), spec, siblings, cfg["sampling"]["temperature"] == 0)
     event = family_from_meta(cfg["label"]).event(cols, seed=0).numpy()
-    return Path(head_dir).name, head.prob(x).numpy(), event, cols["q_cand"].numpy()
+    return Path(head_dir).name, head.prob(x).numpy(), event, cols["q_cand"].numpy(), \
+        cols["rank"].numpy() if siblings else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,11 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     curves, rows = [], []
     for h in args.heads:
-        name, prob, event, conf = score_head(h, args.labels, args.split)
+        name, prob, event, conf, rank = score_head(h, args.labels, args.split)
         curves.append((name, prob, event))
         rows.append((name, prob, event))
         rows.append((f"draft confidence vs {name} labels", conf, event))
-    name0, _, event0, conf0 = score_head(args.heads[0], args.labels, args.split)
+        if rank is not None:  # a tree's head: the children only a tree drafts, alone
+            m = rank >= 1
+            rows.append((f"{name}, siblings of rank >= 1", prob[m], event[m]))
+            rows.append((f"draft confidence vs {name} labels, siblings of rank >= 1", conf[m], event[m]))
+    name0, _, event0, conf0, _ = score_head(args.heads[0], args.labels, args.split)
     curves.append((f"draft confidence q(x) ({name0} labels)", conf0, event0))
     out = plot_rocs(curves, resolve(args.out), f"ROC on {args.labels or from_pretrained(args.heads[0])[1]['labels']}:{args.split}")
     head = "| scorer | positions | positive rate | AUC | " + " | ".join(f"TPR/FPR @{t}" for t in args.thresholds) + " |"
