@@ -1,14 +1,14 @@
 """HeadTree: a token tree shaped each round by a trained sibling head and the machine's measured step costs.
 
     BatchDecoder(pair, HeadTree("checkpoints/specdecpp-tree-greedy"), GreedyMatch())
-    SpeculativeDecoder(pair, HeadTree("checkpoints/specdecpp-tree-t1"), SpeculativeSampling())
+    SpeculativeDecoder(pair, HeadTree("checkpoints/specdecpp-tree"), SpeculativeSampling())  # T = 1, the pair's own
 
 The head (trained by `python -m train fit --config heads/specdecpp-tree.yaml`, on data_gen's sibling labels) reads
-the draft's state after a node, the draft's entropy and top-1 there, a child's draft probability and its rank among
-its siblings, and says the chance that child is accepted once the siblings before it were rejected, a_j. The chance
-child j is the accepted one is then a_j * prod_{i<j} (1 - a_i), and a node's value, its chance to be on the
-accepted path, the product of those along its path (Sequoia's positional model with the head's numbers in place of
-one vector for every node).
+the draft's state after a node, the draft's entropy and top-1 there, a child's probability under the draft's raw
+softmax (as the labels' sib_q and a chain head's cand_logq) and its rank among its siblings, and says the chance
+that child is accepted once the siblings before it were rejected, a_j. The chance child j is the accepted one is then
+a_j * prod_{i<j} (1 - a_i), and a node's value, its chance to be on the accepted path, the product of those along its
+path (Sequoia's positional model with the head's numbers in place of one vector for every node).
 
 The cost-aware stop, generalised to trees: each level the tree expands the frontier nodes (best first, up to top_k)
 only while the expected tokens per millisecond rise, a draft level priced by its width and the verification by its
@@ -19,6 +19,7 @@ the target verifies the prefix of the best-first order that maximises expected t
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
@@ -77,7 +78,10 @@ class HeadTree(TreeShape):
         hidden = as_numpy(nodes.hidden)[each]
         runs = (self.runs[np.asarray(nodes.rows)] + np.asarray(nodes.depth))[each]
         ranks = np.concatenate([np.arange(m) for m in sizes]).astype(np.float32)
-        probs = np.asarray([p for ps in nodes.probs for p in ps], dtype=np.float32)
+        # the raw softmax's probability of each child, whatever law drew it (greedy: what nodes.probs holds already)
+        dev = nodes.logits.device
+        kids = torch.tensor([t for ts in nodes.tokens for t in ts], device=dev)
+        probs = as_numpy(nodes.logits.float().log_softmax(-1)[torch.as_tensor(each, device=dev), kids].exp())
         x = self.head.features.rows(hidden, entropy[each], top1[each], probs, runs, ranks)
         a = np.atleast_1d(self.head.fast_prob(x[0] if len(x) == 1 else x)).astype(np.float64)
         out, k = [], 0

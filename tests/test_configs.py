@@ -46,7 +46,8 @@ SECTION_BENCHES = sorted(p for p in (ROOT / "configs" / "bench").glob("*.yaml") 
 
 @pytest.mark.parametrize("path", BATCH_BENCHES, ids=lambda p: p.stem)
 def test_the_batch_bench_configs_are_their_schema_and_name_existing_heads(path):
-    """configs/bench/batch*.yaml parse into decode.evaluation.batch's typed schema; every setting has its head."""
+    """configs/bench/batch*.yaml parse into decode.evaluation.batch's typed schema; every setting has its heads (the
+    batch controller's and the head tree's)."""
     from decode.evaluation.batch import BatchBenchConfig, suffix
     from decode.pair import Sampling
 
@@ -55,6 +56,8 @@ def test_the_batch_bench_configs_are_their_schema_and_name_existing_heads(path):
     for raw in cfg.settings:
         head = ROOT / cfg.head.format(suffix=suffix(Sampling.of(raw)))
         assert (head / "config.json").exists(), head
+        tree = ROOT / cfg.tree_head.format(suffix=suffix(Sampling.of(raw)))
+        assert not cfg.tree_head or (tree / "config.json").exists(), tree
     assert cfg.ignore_eos == ["t1"]  # sampled rows at fixed lengths; greedy rows stop at EOS
     with pytest.raises(ValueError, match="ignore_eos names"):
         BatchBenchConfig(settings=[{"temperature": 1.0}], ignore_eos=["t1.0"])
