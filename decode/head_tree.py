@@ -10,10 +10,11 @@ that child is accepted once the siblings before it were rejected, a_j. The chanc
 a_j * prod_{i<j} (1 - a_i), and a node's value, its chance to be on the accepted path, the product of those along its
 path (Sequoia's positional model with the head's numbers in place of one vector for every node).
 
-The cost-aware stop, generalised to trees: each level the tree expands the frontier nodes (best first, up to top_k)
-only while the expected tokens per millisecond rise, a draft level priced by its width and the verification by its
-node count from cost tables measured on this machine (decode.costs.tree_costs, once per decoder); after drafting,
-the target verifies the prefix of the best-first order that maximises expected tokens per millisecond.
+The cost-aware stop, generalised to trees: a round's rate is the expected tokens over the round's ms when the target
+verifies the best-first prefix of the nodes with the most expected tokens per ms, a draft level priced by its width
+and the verification by its node count from cost tables measured on this machine (decode.costs.tree_costs, once per
+decoder). Each level expands the w best frontier nodes (w <= top_k) that raise that rate, their children valued
+before drafting by the running mean of each rank's share; after drafting, the target verifies the best prefix.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 
 from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
-from decode.policy_base import draft_scalars
 from decode.sampling import as_numpy
 from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_order
 
@@ -49,11 +49,16 @@ class HeadTree(TreeShape):
         self.costs: CostModel | None = None
         self.runs = np.zeros(0, dtype=np.int64)  # each row's accepted run before this round (the extra accepted_run)
         self.b = 1
-        self.hit = 0.8  # running mean of the chance some child of an expanded node is accepted, given the node is
+        # running means of the chance a node's j-th child is the accepted one (what a level not yet drafted will add)
+        self.rank_mean = 0.8 * 0.2 ** np.arange(top_k)
+        self._tables: dict[tuple[str, int], np.ndarray] = {}  # the cost tables at a batch size
+        # ms a draft level costs beyond its forward (the level's host work: drawing, the head, masks), learnt from the
+        # rounds' host time (tree_timed)
+        self.level_ms, self._levels = 0.0, 0
 
     def set_tree_costs(self, costs: CostModel) -> None:
         """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.tree_costs)."""
-        self.costs = costs
+        self.costs, self._tables = costs, {}
 
     def start(self, n):
         self.runs = np.zeros(n, dtype=np.int64)
@@ -74,14 +79,17 @@ class HeadTree(TreeShape):
         forward over every child of the level."""
         sizes = [len(t) for t in nodes.tokens]
         each = np.repeat(np.arange(len(sizes)), sizes)
-        _, entropy, top1 = draft_scalars(nodes.logits, [t[0] if t else 0 for t in nodes.tokens])
+        p = nodes.softmax
+        kids = torch.tensor([t for ts in nodes.tokens for t in ts], device=p.device)
+        # the draft's entropy and top-1 after each node, and each child's raw-softmax probability (the law the labels'
+        # sib_q and a chain head's cand_logq use, whatever law drew the child), in one host read
+        scalars = as_numpy(torch.cat([torch.special.entr(p).sum(-1), p.max(-1).values,
+                                      p[torch.as_tensor(each, device=p.device), kids]]))
+        n = len(sizes)
+        entropy, top1, probs = scalars[:n], scalars[n:2 * n], scalars[2 * n:]
         hidden = as_numpy(nodes.hidden)[each]
         runs = (self.runs[np.asarray(nodes.rows)] + np.asarray(nodes.depth))[each]
         ranks = np.concatenate([np.arange(m) for m in sizes]).astype(np.float32)
-        # the raw softmax's probability of each child, whatever law drew it (greedy: what nodes.probs holds already)
-        dev = nodes.logits.device
-        kids = torch.tensor([t for ts in nodes.tokens for t in ts], device=dev)
-        probs = as_numpy(nodes.logits.float().log_softmax(-1)[torch.as_tensor(each, device=dev), kids].exp())
         x = self.head.features.rows(hidden, entropy[each], top1[each], probs, runs, ranks)
         a = np.atleast_1d(self.head.fast_prob(x[0] if len(x) == 1 else x)).astype(np.float64)
         out, k = [], 0
@@ -89,24 +97,23 @@ class HeadTree(TreeShape):
             survive = np.concatenate([[1.0], np.cumprod(1.0 - a[k:k + m])[:-1]])
             out.append((a[k:k + m] * survive).tolist())
             k += m
-        if out:
-            self.hit = 0.9 * self.hit + 0.1 * float(np.mean([sum(o) for o in out]))
+        full = [o for o in out if len(o) == self.top_k]
+        if full:
+            self.rank_mean = 0.9 * self.rank_mean + 0.1 * np.mean(full, axis=0)
         return out
 
     def children(self, level, tree, frontier):
-        if level == 0:
+        if level == 0:  # the root's children cost no extra forward (the draft read the root anyway)
             return [self.top_k]
         best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]
         if self.costs is None:  # unpriced: EAGLE-2's rule on the head's values
             return [self.top_k if i in best else 0 for i in frontier]
-        order = best_order(tree.value, tree.parent, tree.rank, self.nodes)
-        tokens, spent = 1.0 + sum(tree.value[i] for i in order), self._draft_ms(tree)
-        rate, wide = tokens / (spent + self._verify_ms(len(order))), 0
-        gain = 0.0
-        for w, i in enumerate(best, 1):  # expand the w best frontier nodes, if that raises tokens per ms
-            gain += tree.value[i] * self.hit
-            n = min(self.nodes, len(order) + w * self.top_k)
-            r = (tokens + gain) / (spent + self.costs.call_ms("draft", self.b * w) + self._verify_ms(n))
+        have = np.sort(np.asarray(tree.value[1:]))[::-1]
+        spent = self._draft_ms(tree)
+        rate, wide = self._best_rate(have, spent)[0], 0
+        for w in range(1, len(best) + 1):  # the w best frontier nodes' children, valued by the ranks' running means
+            guess = np.outer([tree.value[i] for i in best[:w]], self.rank_mean).ravel()
+            r = self._best_rate(np.sort(np.concatenate([have, guess]))[::-1], spent + self._draft_table()[w])[0]
             if r > rate:
                 rate, wide = r, w
         expand = set(best[:wide])
@@ -116,23 +123,46 @@ class HeadTree(TreeShape):
         order = best_order(tree.value, tree.parent, tree.rank, min(most, self.nodes))
         if self.costs is None:
             return sorted(order)
-        spent, tokens, best, n_best = self._draft_ms(tree), 1.0, 0.0, 0
-        for n in range(len(order) + 1):  # the best-first prefix with the most expected tokens per ms
-            if n:
-                tokens += tree.value[order[n - 1]]
-            rate = tokens / (spent + self._verify_ms(n))
-            if rate > best:
-                best, n_best = rate, n
-        return sorted(order[:n_best])
+        spent = self._draft_ms(tree)
+        n = self._best_rate(np.asarray([tree.value[i] for i in order]), spent)[1]
+        self._levels = max(self._levels, max(tree.depth))
+        return sorted(order[:n])
 
-    def _verify_ms(self, n: int) -> float:
-        """The target scoring the root and n nodes in every row of the batch (rows priced alike)."""
-        return self.costs.call_ms("target", self.b * (n + 1), switched=True)
+    def tree_timed(self, host_ms):
+        """The round's host work, spread over its draft levels (the root's included): what a level costs beyond the
+        draft's forward."""
+        self.level_ms = 0.9 * self.level_ms + 0.1 * host_ms / (self._levels + 1)
+        self._levels = 0
+
+    def _best_rate(self, values: np.ndarray, spent: float) -> tuple[float, int]:
+        """Node values, best first, and the draft's ms -> the most expected tokens per ms of verifying a prefix of
+        them (up to `nodes`), and that prefix's length (0: the root alone)."""
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(values[: self.nodes])])
+        rates = tokens / (spent + self._verify_table()[: len(tokens)])
+        n = int(np.argmax(rates))
+        return float(rates[n]), n
+
+    def _verify_table(self) -> np.ndarray:
+        """(nodes + 1,) ms of the target scoring the root and n nodes in every row of the batch (rows priced alike)."""
+        key = ("verify", self.b)
+        if key not in self._tables:
+            self._tables[key] = np.array([self.costs.call_ms("target", self.b * (n + 1), switched=True)
+                                          for n in range(self.nodes + 1)])
+        return self._tables[key]
+
+    def _draft_table(self) -> np.ndarray:
+        """(top_k + 1,) ms of a draft level over w expanded nodes in every row, its host work included ([0]: that
+        work alone, which the root's level pays too)."""
+        key = ("draft", self.b)
+        if key not in self._tables:
+            self._tables[key] = np.array([0.0] + [self.costs.call_ms("draft", self.b * w)
+                                                  for w in range(1, self.top_k + 1)])
+        return self._tables[key] + self.level_ms
 
     def _draft_ms(self, tree) -> float:
         """The draft's forwards this round so far: the root's, then one a level over the nodes that were expanded."""
         widths: dict[int, int] = {}
         for i in set(tree.parent[1:]) - {0}:
             widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
-        return self.costs.call_ms("draft", self.b * 2) + sum(self.costs.call_ms("draft", self.b * w)
-                                                              for w in widths.values())
+        return self._draft_table()[0] + self.costs.call_ms("draft", self.b * 2) + \
+            sum(self._draft_table()[w] for w in widths.values())

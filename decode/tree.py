@@ -146,8 +146,10 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
     idx = torch.tensor(at, device=raw.device)
     logits = raw[idx[:, 0], idx[:, 1]]  # (N, V) the expanded nodes' logits
     m_of = [counts[b][j] for b, j in at]
+    raw = None
     if greedy:
-        top = logits.float().softmax(-1).topk(max(m_of), -1)
+        raw = logits.float().softmax(-1)
+        top = raw.topk(max(m_of), -1)
         toks = [tk[:m] for tk, m in zip(top.indices.tolist(), m_of)]
         probs = [vl[:m] for vl, m in zip(top.values.tolist(), m_of)]
     else:
@@ -165,6 +167,8 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
             trees[at[n][0]].q[frontier[at[n][0]][at[n][1]]] = q[n]
     hidden = None if state is None else state[idx[:, 0].to(state.device), idx[:, 1].to(state.device)]
     nodes = NodeBatch([b for b, _ in at], [trees[b].depth[frontier[b][j]] for b, j in at], logits, hidden, toks, probs)
+    if raw is not None:
+        nodes.softmax = raw  # computed once
     weights = shape.weigh(level, nodes)
     for (b, j), tk, w in zip(at, toks, weights):
         parent = frontier[b][j]
@@ -304,6 +308,7 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
                limits: list[int], first: torch.Tensor | None, stats) -> list[int]:
     """One tree round for every row (decode.batch.BatchDecoder): grow, score, walk, keep -> the batch positions of
     rows done. Where a model bounds the cache's width, its rows pack first and a row verifies at most what fits."""
+    t_round, t_models = now(), stats.t_draft + stats.t_target
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
     draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
@@ -330,4 +335,5 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     shape.tree_verified([len(v[0]) for v in verdicts],
                         [not t.children().get(v[0][-1] if v[0] else 0) for t, v in zip(trees, verdicts)])
     stats.t_rule += now() - t0
+    shape.tree_timed(1e3 * (now() - t_round - (stats.t_draft + stats.t_target - t_models)))
     return done

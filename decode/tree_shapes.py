@@ -12,6 +12,7 @@ recursive rejection tests siblings in the order they were drawn.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -49,6 +50,9 @@ class TreeShape(BatchControl):
     def tree_verified(self, accepted: list[int], whole: list[bool]) -> None:
         """Each row's accepted path length, and whether the path ended at a leaf (no rejection ended it)."""
 
+    def tree_timed(self, host_ms: float) -> None:
+        """The ms the round spent outside the models' forwards (drawing, weighing, masks, the walk, bookkeeping)."""
+
 
 @dataclass
 class NodeBatch:
@@ -62,6 +66,11 @@ class NodeBatch:
     hidden: torch.Tensor | None  # (N, H)
     tokens: list[list[int]]
     probs: list[list[float]]
+
+    @functools.cached_property
+    def softmax(self) -> torch.Tensor:
+        """(N, V) float32 the raw logits' softmax (the drafting pass sets it where it computed one)."""
+        return self.logits.float().softmax(-1)
 
 
 def best_first(value: Sequence[float], parent: Sequence[int], rank: Sequence[int], most: int) -> list[int]:
