@@ -52,9 +52,9 @@ class HeadTree(TreeShape):
         # running means of the chance a node's j-th child is the accepted one (what a level not yet drafted will add)
         self.rank_mean = 0.8 * 0.2 ** np.arange(top_k)
         self._tables: dict[tuple[str, int], np.ndarray] = {}  # the cost tables at a batch size
-        # ms a draft level costs beyond its forward (the level's host work: drawing, the head, masks), learnt from the
-        # rounds' host time (tree_timed)
-        self.level_ms, self._levels = 0.0, 0
+        # ms a draft level costs beyond its forward (the level's host work: drawing, the head, masks) and a round's
+        # fixed host work (the walk, bookkeeping), learnt from the rounds' host time (tree_timed)
+        self.level_ms, self.round_ms, self._levels = 0.0, 0.0, 0
 
     def set_tree_costs(self, costs: CostModel) -> None:
         """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.tree_costs)."""
@@ -128,10 +128,11 @@ class HeadTree(TreeShape):
         self._levels = max(self._levels, max(tree.depth))
         return sorted(order[:n])
 
-    def tree_timed(self, host_ms):
-        """The round's host work, spread over its draft levels (the root's included): what a level costs beyond the
-        draft's forward."""
-        self.level_ms = 0.9 * self.level_ms + 0.1 * host_ms / (self._levels + 1)
+    def tree_timed(self, grow_ms, rest_ms):
+        """The host work of growing the tree, spread over its draft levels (the root's included), is what a level
+        costs beyond the draft's forward; the rest is a round's fixed cost."""
+        self.level_ms = 0.9 * self.level_ms + 0.1 * grow_ms / (self._levels + 1)
+        self.round_ms = 0.9 * self.round_ms + 0.1 * rest_ms
         self._levels = 0
 
     def _best_rate(self, values: np.ndarray, spent: float) -> tuple[float, int]:
@@ -146,8 +147,9 @@ class HeadTree(TreeShape):
         """(nodes + 1,) ms of the target scoring the root and n nodes in every row of the batch (rows priced alike)."""
         key = ("verify", self.b)
         if key not in self._tables:
-            self._tables[key] = np.array([self.costs.call_ms("target", self.b * (n + 1), switched=True)
-                                          for n in range(self.nodes + 1)])
+            # a forward of more tokens never costs less: a measured dip is the machine's noise, which would buy nodes
+            self._tables[key] = np.maximum.accumulate([self.costs.call_ms("target", self.b * (n + 1), switched=True)
+                                                       for n in range(self.nodes + 1)])
         return self._tables[key]
 
     def _draft_table(self) -> np.ndarray:
@@ -164,5 +166,5 @@ class HeadTree(TreeShape):
         widths: dict[int, int] = {}
         for i in set(tree.parent[1:]) - {0}:
             widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
-        return self._draft_table()[0] + self.costs.call_ms("draft", self.b * 2) + \
+        return self.round_ms + self._draft_table()[0] + self.costs.call_ms("draft", self.b * 2) + \
             sum(self._draft_table()[w] for w in widths.values())

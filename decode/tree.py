@@ -312,7 +312,9 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
     draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
+    t_grow, t_drafting = now(), stats.t_draft
     trees = grow(shape, draft, rows, text, streams, limits, s, stats, now)
+    grow_host = now() - t_grow - (stats.t_draft - t_drafting)
     trees = [t.subtree(shape.keep(t, fit)) for t in trees]
     roots = [len(text.committed[r]) for r in rows]
     t0, width = now(), target.width
@@ -335,5 +337,5 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     shape.tree_verified([len(v[0]) for v in verdicts],
                         [not t.children().get(v[0][-1] if v[0] else 0) for t, v in zip(trees, verdicts)])
     stats.t_rule += now() - t0
-    shape.tree_timed(1e3 * (now() - t_round - (stats.t_draft + stats.t_target - t_models)))
+    shape.tree_timed(1e3 * grow_host, 1e3 * (now() - t_round - (stats.t_draft + stats.t_target - t_models) - grow_host))
     return done

@@ -50,8 +50,9 @@ class TreeShape(BatchControl):
     def tree_verified(self, accepted: list[int], whole: list[bool]) -> None:
         """Each row's accepted path length, and whether the path ended at a leaf (no rejection ended it)."""
 
-    def tree_timed(self, host_ms: float) -> None:
-        """The ms the round spent outside the models' forwards (drawing, weighing, masks, the walk, bookkeeping)."""
+    def tree_timed(self, grow_ms: float, rest_ms: float) -> None:
+        """The ms the round spent outside the models' forwards: growing the tree (drawing, weighing, the levels'
+        masks) and the rest (the target's masks, the walk, the caches' bookkeeping)."""
 
 
 @dataclass
