@@ -4,7 +4,6 @@ skip without a GPU, and its tiny CPU version of every step end to end (the bench
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,6 @@ def test_a_step_that_fails_or_times_out_is_a_row_and_the_next_step_runs(tmp_path
     """Real steps: train.check on a pair that does not exist fails, the bench stopped at a 1 s limit times out, and
     the cuda tests after them still run and pass; the command exits 1."""
     monkeypatch.setattr(gpucheck, "CPU_LIMITS", {"tests": 120, "check": 120, "bench": 1})
-    t0 = time.perf_counter()
     assert gpucheck.main(["--cpu", "--out", str(tmp_path), "--steps", "check", "bench", "tests",
                           "--pair", str(tmp_path / "missing.yaml")]) == 1
     got = {r[0]: r for r in rows(tmp_path)}
@@ -42,7 +40,6 @@ def test_a_step_that_fails_or_times_out_is_a_row_and_the_next_step_runs(tmp_path
     assert got["bench"][2] == "TIMEOUT" and got["bench"][3].startswith("stopped at its 1 s limit; 0 of 4 ")
     assert float(got["bench"][4]) < 10  # stopped, not waited for
     assert got["tests"][2] == "PASS" and "skipped" in got["tests"][3]
-    assert time.perf_counter() - t0 < 90
 
 
 def test_a_step_stopped_at_its_limit_takes_its_children_with_it(tmp_path):
@@ -79,14 +76,12 @@ def test_the_numbers_of_a_gpu_run_are_read_from_what_the_steps_print(tmp_path):
 
 @pytest.mark.slow
 def test_the_cpu_version_runs_every_step_and_the_bench_resumes(tmp_path, tiny_pair_yaml):
-    t0 = time.perf_counter()
     assert gpucheck.main(["--cpu", "--out", str(tmp_path), "--pair", str(tiny_pair_yaml)]) == 0
     first = {r[0]: r for r in rows(tmp_path)}
     assert list(first) == ["tests", "check", "bench"] and all(r[2] == "PASS" for r in first.values())
     assert re.search(r"\d+ skipped.* in [\d.]+s", first["tests"][3]) and first["check"][3] == "6 of 6 steps passed"
     assert "greedy B = 1/2: target" in first["bench"][3] and "t1 B = 1/2: target" in first["bench"][3]
     assert "3 of 3 steps passed" in (tmp_path / "check.md").read_text()
-    assert time.perf_counter() - t0 < 120
     assert "cache" not in first["bench"][3]  # all measured by this run
     # Again, the bench alone: every (setting, batch size) comes from its cache, so nothing decodes, the numbers hold
     # and the row says where they came from
