@@ -41,8 +41,10 @@ def matching_heads(head_dir: str, config: dict, setting: str) -> list[str]:
 
 
 def _kind(cfg: dict) -> tuple:
-    """(head type, label family): an FSD head is an AcceptanceHead too, but answers another question."""
-    return cfg.get("head_type"), (cfg.get("label") or {}).get("family")
+    """(head type, label family, sibling head or not): an FSD head is an AcceptanceHead too, but answers another
+    question, and a tree's sibling head another still (decode.head_tree)."""
+    return (cfg.get("head_type"), (cfg.get("label") or {}).get("family"),
+            "cand_rank" in (cfg.get("features") or {}).get("extras", []))
 
 
 class HeadPolicy(Policy):

@@ -10,6 +10,12 @@ that child is accepted once the siblings before it were rejected, a_j. The chanc
 a_j * prod_{i<j} (1 - a_i), and a node's value, its chance to be on the accepted path, the product of those along its
 path (Sequoia's positional model with the head's numbers in place of one vector for every node).
 
+Like decode.batch_control.BatchCostAware, a HeadTree is a batch-level control that learns as it decodes: a round's
+tree depends on the batch size (a verify prices every row's nodes) and on what earlier rounds taught it (each rank's
+share, the host work a level and a round cost, learnt from the wall clock). Greedy output is the target's whatever
+the tree; under sampling the law is the target's, but a row's draws depend on the trees it got, so they differ
+between a row alone and in a batch, and between a fresh HeadTree and one that has decoded before.
+
 The cost-aware stop, generalised to trees: a round's rate is the expected tokens over the round's ms when the target
 verifies the best-first prefix of the nodes with the most expected tokens per ms, a draft level priced by its width
 and the verification by its node count from cost tables measured on this machine (decode.costs.tree_costs, once per

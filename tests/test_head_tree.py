@@ -72,8 +72,9 @@ def test_a_chain_head_or_one_for_another_setting_is_refused_in_one_line(tiny_pai
         HeadTree(chain)
     assert "\n" not in str(info.value)
     t1 = sibling_head(tmp_path, pair.with_sampling(temperature=1.0), name="t1")
-    with pytest.raises(ValueError, match="trained for sampling t1 but the decoder samples greedy"):
+    with pytest.raises(ValueError, match="trained for sampling t1 but the decoder samples greedy") as info:
         BatchDecoder(pair, HeadTree(t1), GreedyMatch())
+    assert str(tmp_path / "chain") not in str(info.value)  # the greedy head beside it is a chain head: no use here
     with pytest.raises(ValueError, match="HeadTree needs nodes to be a whole number >= 1"):
         HeadTree(t1, nodes=0)
 
