@@ -6,7 +6,32 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS", "2")))  # 1 beside a training run
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+# Torch threads per test process. Tiny models gain little from a second thread, and a thread that waits for a core
+# another process holds stalls every parallel op: beside one busy process on a 2-core machine, test_bench's run of
+# the tiny pair took 100 s at 2 threads and 18 s at 1 (16 s either way when idle). So each process takes its share
+# of the cores, at most 2: under pytest-xdist (-n) two workers on 2 cores run a thread each, and the processes the
+# tests start take the same share. SPECHEADS_TEST_THREADS=1 beside a training run.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = int(os.environ.get("SPECHEADS_TEST_THREADS", max(1, min(2, _cores() // WORKERS))))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _threads_back():
+    """A command run in this process may set its own thread count (the bench, decode's CLI): the next test runs at
+    the suite's again."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")

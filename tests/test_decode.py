@@ -229,7 +229,8 @@ def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
     import sys
 
     cmd = [sys.executable, "-m", "decode", "generate", "--pair", str(tiny_pair_yaml), "--prompt", "abc(",
-           "--max_new_tokens", "12", "--policy", "FixedK", "--policy.k", "3", "--rule", "FSD", "--rule.threshold", "0.2"]
+           "--max_new_tokens", "12", "--policy", "FixedK", "--policy.k", "3", "--rule", "FSD", "--rule.threshold", "0.2",
+           "--threads", str(torch.get_num_threads())]  # the suite's share of the cores (tests/conftest.py)
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("abc(") and "[FixedK + FSD]" in res.stdout and "verification rate" in res.stdout
