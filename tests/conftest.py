@@ -25,6 +25,20 @@ os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 torch.set_num_threads(THREADS)
 
 
+def _pycode_prompts_once():
+    """pycode's prompts of a split, cut from the stdlib once a process: a bench, a plan and a labelling run each read
+    them (2 s a split on a 2-core CPU, 11 reads a session). The records are the same; callers get their own copies."""
+    import functools
+
+    from data_gen import prompts
+
+    read = functools.cache(prompts.pycode_records)
+    prompts.pycode_records = functools.wraps(prompts.pycode_records)(lambda split: [dict(r) for r in read(split)])
+
+
+_pycode_prompts_once()
+
+
 @pytest.fixture(autouse=True)
 def _threads_back():
     """A command run in this process may set its own thread count (the bench, decode's CLI): the next test runs at
