@@ -39,6 +39,22 @@ def _pycode_prompts_once():
 _pycode_prompts_once()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core this process may use (xdist would count physical cores where psutil is
+    installed: one on a 2-vCPU machine whose vCPUs are hyperthreads), at most 8: past that the suite's longest test
+    (test_gpucheck's CPU run, about a minute) sets the time, and each worker imports torch and Lightning again."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(8, _cores()))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the slow tests (several processes, the committed pair) go out first, so that the last
+    test a worker takes is a short one and neither waits long for the other at the end."""
+    if hasattr(config, "workerinput"):  # this process is an xdist worker
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def _threads_back():
     """A command run in this process may set its own thread count (the bench, decode's CLI): the next test runs at
