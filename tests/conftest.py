@@ -6,7 +6,62 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS", "2")))  # 1 beside a training run
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+# Torch threads per test process. Tiny models gain little from a second thread, and a thread that waits for a core
+# another process holds stalls every parallel op: beside one busy process on a 2-core machine, test_bench's run of
+# the tiny pair took 100 s at 2 threads and 18 s at 1 (16 s either way when idle). So each process takes its share
+# of the cores, at most 2: under pytest-xdist (-n) two workers on 2 cores run a thread each, and the processes the
+# tests start take the same share. SPECHEADS_TEST_THREADS=1 beside a training run.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = int(os.environ.get("SPECHEADS_TEST_THREADS", max(1, min(2, _cores() // WORKERS))))
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
+
+
+def _pycode_prompts_once():
+    """pycode's prompts of a split, cut from the stdlib once a process: a bench, a plan and a labelling run each read
+    them (2 s a split on a 2-core CPU, 11 reads a session). The records are the same; callers get their own copies."""
+    import functools
+
+    from data_gen import prompts
+
+    read = functools.cache(prompts.pycode_records)
+    prompts.pycode_records = functools.wraps(prompts.pycode_records)(lambda split: [dict(r) for r in read(split)])
+
+
+_pycode_prompts_once()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core this process may use (xdist would count physical cores where psutil is
+    installed: one on a 2-vCPU machine whose vCPUs are hyperthreads), at most 8: past that the suite's longest test
+    (test_gpucheck's CPU run, about a minute) sets the time, and each worker imports torch and Lightning again."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(8, _cores()))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the slow tests (several processes, the committed pair) go out first, so that the last
+    test a worker takes is a short one and neither waits long for the other at the end."""
+    if hasattr(config, "workerinput"):  # this process is an xdist worker
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def _threads_back():
+    """A command run in this process may set its own thread count (the bench, decode's CLI): the next test runs at
+    the suite's again."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session")

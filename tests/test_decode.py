@@ -221,20 +221,21 @@ def test_bad_input_errors(tiny_pair, tmp_path):
         SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
 
 
-def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml):
-    """The command's own process: exit 0 with the text and the metrics on stdout, exit 2 with one line for a bad
-    request (the other exit-2 cases run in this process: test_cli_rejects_out_of_range_numbers_with_one_line)."""
+def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml, capsys):
+    """The command's own process: exit 0 with the text and the metrics on stdout; exit 2 with one line for a bad
+    request, in this process as the other exit-2 cases (test_cli_rejects_out_of_range_numbers_with_one_line): the
+    exit code is the SystemExit's, a process each spent seconds importing torch and transformers."""
     import os
     import subprocess
-    import sys
 
     cmd = [sys.executable, "-m", "decode", "generate", "--pair", str(tiny_pair_yaml), "--prompt", "abc(",
-           "--max_new_tokens", "12", "--policy", "FixedK", "--policy.k", "3", "--rule", "FSD", "--rule.threshold", "0.2"]
+           "--max_new_tokens", "12", "--policy", "FixedK", "--policy.k", "3", "--rule", "FSD", "--rule.threshold", "0.2",
+           "--threads", str(torch.get_num_threads())]  # the suite's share of the cores (tests/conftest.py)
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("abc(") and "[FixedK + FSD]" in res.stdout and "verification rate" in res.stdout
-    res = subprocess.run(cmd[:4] + ["--pair", str(tiny_pair_yaml), "--prompt", ""], capture_output=True, text=True)
-    assert res.returncode == 2 and "prompt is empty" in res.stderr
+    code, _, lines = run_generate(capsys, "--pair", str(tiny_pair_yaml), "--prompt", "")
+    assert code == 2 and "prompt is empty" in "\n".join(lines), lines
 
 
 def test_text_stream_writes_exactly_the_decoded_text(tiny_pair):
