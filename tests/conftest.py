@@ -39,6 +39,7 @@ def _pycode_prompts_once():
 _pycode_prompts_once()
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without the plugin (-p no:xdist) has no such hook
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker per core this process may use (xdist would count physical cores where psutil is
     installed: one on a 2-vCPU machine whose vCPUs are hyperthreads), at most 8: past that the suite's longest test
