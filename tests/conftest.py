@@ -4,7 +4,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def _cores() -> int:
@@ -22,7 +21,17 @@ def _cores() -> int:
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 THREADS = int(os.environ.get("SPECHEADS_TEST_THREADS", max(1, min(2, _cores() // WORKERS))))
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-torch.set_num_threads(THREADS)
+
+
+def pytest_configure(config):
+    """Set up a process that runs tests. Under pytest-xdist (-n) the controller runs none: it skips importing torch and
+    the prompts here (3-4 s before the workers start), which each worker does for itself."""
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
+        return
+    import torch
+
+    torch.set_num_threads(THREADS)
+    _pycode_prompts_once()
 
 
 def _pycode_prompts_once():
@@ -34,9 +43,6 @@ def _pycode_prompts_once():
 
     read = functools.cache(prompts.pycode_records)
     prompts.pycode_records = functools.wraps(prompts.pycode_records)(lambda split: [dict(r) for r in read(split)])
-
-
-_pycode_prompts_once()
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without the plugin (-p no:xdist) has no such hook
@@ -60,6 +66,8 @@ def pytest_collection_modifyitems(config, items):
 def _threads_back():
     """A command run in this process may set its own thread count (the bench, decode's CLI): the next test runs at
     the suite's again."""
+    import torch
+
     yield
     if torch.get_num_threads() != THREADS:
         torch.set_num_threads(THREADS)
