@@ -24,25 +24,29 @@ os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 def pytest_configure(config):
-    """Set up a process that runs tests. Under pytest-xdist (-n) the controller runs none: it skips importing torch and
-    the prompts here (3-4 s before the workers start), which each worker does for itself."""
+    """Set up a process that runs tests. Under pytest-xdist (-n) the controller runs none: it skips importing torch here
+    (2-3 s before the workers start), which each worker does for itself."""
     if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
         return
     import torch
 
     torch.set_num_threads(THREADS)
-    _pycode_prompts_once()
 
 
+@pytest.fixture(scope="session", autouse=True)
 def _pycode_prompts_once():
     """pycode's prompts of a split, cut from the stdlib once a process: a bench, a plan and a labelling run each read
-    them (2 s a split on a 2-core CPU, 11 reads a session). The records are the same; callers get their own copies."""
+    them (2 s a split on a 2-core CPU, 11 reads a session). The records are the same; callers get their own copies.
+    A fixture, so a process that runs no test (the cuda-marked run on a CPU: all skipped) does not import datasets."""
     import functools
 
     from data_gen import prompts
 
-    read = functools.cache(prompts.pycode_records)
-    prompts.pycode_records = functools.wraps(prompts.pycode_records)(lambda split: [dict(r) for r in read(split)])
+    original = prompts.pycode_records
+    read = functools.cache(original)
+    prompts.pycode_records = functools.wraps(original)(lambda split: [dict(r) for r in read(split)])
+    yield
+    prompts.pycode_records = original
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without the plugin (-p no:xdist) has no such hook
