@@ -103,21 +103,24 @@ SETTINGS = {"t1": dict(temperature=1.0), "t0.8-p0.9-k12": dict(temperature=0.8, 
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("width", [2, 4])
 def test_sampled_trees_keep_the_targets_law(tiny_pair, setting, width):
-    """Width 2 and 4 at the root and below, in batches of 8 rows and of one row."""
+    """Width 2 and 4 at the root and below, in batches of 8 rows and of one row. Sized to the power they need: each
+    draw count here still fails both broken trees of the next test (no residual update, children drawn with
+    replacement) in both settings, at p about 1e-6 for the 150 one-row draws at T = 1 and far below that elsewhere."""
     pair = dataclasses.replace(tiny_pair.with_sampling(**SETTINGS[setting]), eos_ids=(-1,))
     paths = [(j,) for j in range(width)] + [(0, j) for j in range(width)] + [(1, j) for j in range(width - 1)]
-    assert tree_pvalue(pair, StaticTree(paths), rows=240) > ALPHA
+    assert tree_pvalue(pair, StaticTree(paths), n=1200, rows=240) > ALPHA
     if width == 4:  # batches of 8, and of one row through the one-sequence decoder's entry
-        assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=800, rows=8) > ALPHA
-        assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=300, rows=1) > ALPHA
+        assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=400, rows=8) > ALPHA
+        assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=150, rows=1) > ALPHA
 
 
 def test_a_tree_without_the_residual_update_or_drawn_with_replacement_is_caught(tiny_pair, monkeypatch):
+    """1200 draws a variant: each gives p = 0 to double precision (so do 600)."""
     pair = dataclasses.replace(tiny_pair.with_sampling(temperature=1.0), eos_ids=(-1,))
     shape = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1)])
     with monkeypatch.context() as m:  # after a rejected sibling, the next is tested against p itself
         m.setattr(labels_mod, "residual", lambda r, q: r)  # sibling_tests lives in decode.labels
-        assert tree_pvalue(pair, shape, rows=256) < ALPHA
+        assert tree_pvalue(pair, shape, n=1200, rows=256) < ALPHA
     with monkeypatch.context() as m:  # siblings may repeat a token, yet are tested as if drawn without replacement
         def with_replacement(q, counts, u):
             out, at = [], 0
@@ -126,7 +129,7 @@ def test_a_tree_without_the_residual_update_or_drawn_with_replacement_is_caught(
                 at += c
             return out
         m.setattr(tree_mod, "without_replacement", with_replacement)
-        assert tree_pvalue(pair, shape, rows=256) < ALPHA
+        assert tree_pvalue(pair, shape, n=1200, rows=256) < ALPHA
 
 
 def test_shapes_are_prefix_closed_and_sequoia_takes_the_best_nodes():
