@@ -152,7 +152,8 @@ def test_sampled_rows_of_a_batch_of_8_keep_the_targets_law(tiny_pair):
         nxt = pair.logits(pair.target(torch.tensor([prompt + [a] for a in range(pair.vocab)])).logits[:, -1]).softmax(-1)
     law = p1[:, None] * nxt
     others = [[5, 1, 2, 9, 4], [8], [2, 2, 2], [11, 3, 6, 1, 1, 7]]
-    assert two_token_pvalue(Rows(pair, others), law, prompt, n=1500) > ALPHA
+    # 750 draws: a broken resample (test_decode's BrokenResample) decoded the same way fails at p = 5e-18
+    assert two_token_pvalue(Rows(pair, others), law, prompt, n=750) > ALPHA
 
 
 def test_a_sampled_row_draws_from_its_own_stream_whatever_its_neighbours(arch_pairs):
