@@ -32,6 +32,7 @@ from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
 from decode.sampling import as_numpy
 from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_order
+from heads import kernels
 
 
 class HeadTree(TreeShape):
@@ -82,8 +83,26 @@ class HeadTree(TreeShape):
 
     def weigh(self, level: int, nodes: NodeBatch) -> list[list[float]]:
         """Each child's chance to be the accepted one given its parent is, a_j * prod_{i<j} (1 - a_i), from one head
-        forward over every child of the level."""
+        forward over every child of the level (on the CPU, up to ROWS_MAX nodes, one compiled call)."""
         sizes = [len(t) for t in nodes.tokens]
+        runs = self.runs[np.asarray(nodes.rows)] + np.asarray(nodes.depth)
+        params = getattr(self.head.fast_prob, "params", None)
+        if params is not None and nodes.logits.device.type == "cpu" and len(sizes) <= kernels.ROWS_MAX:
+            kids = np.full((len(sizes), max(sizes)), -1, dtype=np.int64)
+            for n, t in enumerate(nodes.tokens):
+                kids[n, :len(t)] = t
+            value = kernels.head_children(as_numpy(nodes.logits), kids, as_numpy(nodes.hidden), runs,
+                                          self.head._codes, params)
+            out = [v[:m] for v, m in zip(value.tolist(), sizes)]
+        else:
+            out = self._weigh_rows(nodes, sizes, runs)
+        full = [o for o in out if len(o) == self.top_k]
+        if full:
+            self.rank_mean = 0.9 * self.rank_mean + 0.1 * np.mean(full, axis=0)
+        return out
+
+    def _weigh_rows(self, nodes: NodeBatch, sizes: list[int], runs: np.ndarray) -> list[list[float]]:
+        """weigh() in array ops over the level's children: a batch's many nodes, a GPU's, or without numba."""
         each = np.repeat(np.arange(len(sizes)), sizes)
         p = nodes.softmax
         kids = torch.tensor([t for ts in nodes.tokens for t in ts], device=p.device)
@@ -94,18 +113,14 @@ class HeadTree(TreeShape):
         n = len(sizes)
         entropy, top1, probs = scalars[:n], scalars[n:2 * n], scalars[2 * n:]
         hidden = as_numpy(nodes.hidden)[each]
-        runs = (self.runs[np.asarray(nodes.rows)] + np.asarray(nodes.depth))[each]
         ranks = np.concatenate([np.arange(m) for m in sizes]).astype(np.float32)
-        x = self.head.features.rows(hidden, entropy[each], top1[each], probs, runs, ranks)
+        x = self.head.features.rows(hidden, entropy[each], top1[each], probs, runs[each], ranks)
         a = np.atleast_1d(self.head.fast_prob(x[0] if len(x) == 1 else x)).astype(np.float64)
         out, k = [], 0
         for m in sizes:
             survive = np.concatenate([[1.0], np.cumprod(1.0 - a[k:k + m])[:-1]])
             out.append((a[k:k + m] * survive).tolist())
             k += m
-        full = [o for o in out if len(o) == self.top_k]
-        if full:
-            self.rank_mean = 0.9 * self.rank_mean + 0.1 * np.mean(full, axis=0)
         return out
 
     def children(self, level, tree, frontier):

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from decode.labels import sibling_tests
 from decode.rowcache import RowCache
-from decode.sampling import argmax, sample, transform
+from decode.sampling import argmax, as_numpy, sample, transform
 from decode.streams import Streams
 from decode.tree_shapes import NodeBatch, TreeShape
+from heads import kernels
 
 
 @dataclass
@@ -147,7 +149,11 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
     logits = raw[idx[:, 0], idx[:, 1]]  # (N, V) the expanded nodes' logits
     m_of = [counts[b][j] for b, j in at]
     raw = None
-    if greedy:
+    if greedy and kernels.HAVE_NUMBA and logits.device.type == "cpu":  # one compiled pass over each node's logits
+        tk, pr = kernels.top_children(as_numpy(logits), np.asarray(m_of, dtype=np.int64))
+        toks = [t[:m] for t, m in zip(tk.tolist(), m_of)]
+        probs = [v[:m] for v, m in zip(pr.tolist(), m_of)]
+    elif greedy:
         raw = logits.float().softmax(-1)
         top = raw.topk(max(m_of), -1)
         toks = [tk[:m] for tk, m in zip(top.indices.tolist(), m_of)]

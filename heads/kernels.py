@@ -10,6 +10,8 @@ functions do the same work with no temporaries:
     softmax_scalars_rows(logits, tokens) (R, V) and (R,) -> (3, R), the same per row
     mlp_prob(hidden, extras, params)     (H,) state and (E,) extras -> the head's calibrated probability
     head_rows(logits, tokens, hidden, runs, codes, params)   head_step over R rows -> (4, R)
+    top_children(logits, counts)         (N, V) and (N,) -> a greedy tree level's children and their probabilities
+    head_children(logits, tokens, hidden, runs, codes, params)   a sibling head over a tree level's children
     round_progress(reach, surv, deciding, a, k, later)       decode.batch_control's expected progress of a round
                                                            stopping after j = 0 .. later more candidates
 A batch controller decides after every draft step too, and its numpy path (about 60 array ops) took 340 us a
@@ -126,6 +128,12 @@ def _head_step(logits, token, hidden, run, codes, work, inv, shift, w, b, w_out,
     if logits.shape[0]:
         conf, ent, top1 = _softmax_scalars(logits, token, work)
     extras = np.empty(codes.shape[0], dtype=np.float32)
+    _extras_into(extras, codes, ent, top1, conf, run, 0)  # cand_rank 0: a chain's candidate is its node's first child
+    return _mlp_prob(hidden, extras, inv, shift, w, b, w_out, b_out), conf, ent, top1
+
+
+def _extras_into(extras, codes, ent, top1, conf, run, rank):
+    """Write the extras that codes name (each extra's index in heads.features.EXTRAS, in order), as FeatureSpec.rows."""
     for i in range(codes.shape[0]):
         c = codes[i]
         if c == 0:
@@ -137,8 +145,52 @@ def _head_step(logits, token, hidden, run, codes, work, inv, shift, w, b, w_out,
         elif c == 3:
             extras[i] = math.log1p(min(max(run, 0), RUN_CAP))
         else:
-            extras[i] = 0.0  # cand_rank: a chain's candidate is its node's first child
-    return _mlp_prob(hidden, extras, inv, shift, w, b, w_out, b_out), conf, ent, top1
+            extras[i] = rank
+
+
+def _top_children(logits, counts, tokens, probs, work):
+    """Row n's counts[n] tokens of highest logit (ties: the lower id), best first, and their softmax probabilities
+    (where fewer tokens have mass, some of no mass, as topk gives them); tokens[n, j] = -1 and probs[n, j] = 0 past
+    counts[n]. One pass over V a row, where topk and softmax are two."""
+    for n in range(logits.shape[0]):
+        x, k = logits[n], counts[n]
+        for j in range(tokens.shape[1]):
+            tokens[n, j], probs[n, j] = -1, 0.0
+        m = x[0]
+        for i in range(x.shape[0]):
+            m = max(m, x[i])
+            v, j = x[i], k
+            while j > 0 and (tokens[n, j - 1] < 0 or x[tokens[n, j - 1]] < v):
+                j -= 1
+            if j < k:
+                for t in range(k - 1, j, -1):
+                    tokens[n, t] = tokens[n, t - 1]
+                tokens[n, j] = i
+        total, _ = _exp_sums(x, m, work)
+        for j in range(k):
+            probs[n, j] = math.exp(x[tokens[n, j]] - m) / total
+
+
+def _head_children(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
+    """A sibling head over each expanded node's children: out[n, j] = a_j * prod_{i<j} (1 - a_i), a_j the head's
+    chance that child j (rank j, tokens[n, j]; -1: none) is accepted once the children before it were rejected,
+    from the softmax scalars of row n's raw logits (computed once a node) and run runs[n]."""
+    extras = np.empty(codes.shape[0], dtype=np.float32)
+    for n in range(logits.shape[0]):
+        x = logits[n]
+        m = x[0]
+        for i in range(x.shape[0]):
+            m = max(m, x[i])
+        total, dot = _exp_sums(x, m, work)
+        ent, top1, survive = math.log(total) - dot / total, 1.0 / total, 1.0
+        for j in range(tokens.shape[1]):
+            out[n, j] = 0.0
+            if tokens[n, j] < 0:
+                continue
+            _extras_into(extras, codes, ent, top1, math.exp(x[tokens[n, j]] - m) / total, runs[n], j)
+            a = _mlp_prob(hidden[n], extras, inv, shift, w, b, w_out, b_out)
+            out[n, j] = a * survive
+            survive *= 1.0 - a
 
 
 def _head_rows(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
@@ -179,7 +231,10 @@ def _round_progress(reach, surv, deciding, a, k, later, out):
 _exp_sums = _jit(_exp_sums) or _exp_sums
 _softmax_scalars = _jit(_softmax_scalars) or _softmax_scalars
 _mlp_prob = _jit(_mlp_prob) or _mlp_prob
+_extras_into = _jit(_extras_into) or _extras_into
 _head_step = _jit(_head_step) or _head_step
+_top_children_k = _jit(_top_children)
+_head_children_k = _jit(_head_children)
 _head_step_k = _head_step if HAVE_NUMBA else None
 _head_rows_k = _jit(_head_rows)
 _round_progress_k = _jit(_round_progress)
@@ -231,6 +286,25 @@ def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray,
     if logits is None:  # rows of no logits: _head_step reads no softmax
         logits = np.zeros((hidden.shape[0], 0), dtype=np.float32)
     _head_rows_k(logits, tokens, hidden, runs, codes, _work(v), out, *params)
+    return out
+
+
+def top_children(logits: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(N, V) float32 raw logits and (N,) int64 counts -> (N, max count) int64 each row's top tokens, best first (-1
+    past its count), and (N, max count) float64 their softmax probabilities: a greedy tree level's children."""
+    most = int(counts.max()) if len(counts) else 0
+    tokens, probs = np.empty((len(counts), most), dtype=np.int64), np.empty((len(counts), most))
+    _top_children_k(logits, counts, tokens, probs, _work(logits.shape[-1]))
+    return tokens, probs
+
+
+def head_children(logits: np.ndarray, tokens: np.ndarray, hidden: np.ndarray, runs: np.ndarray, codes: np.ndarray,
+                  params: tuple) -> np.ndarray:
+    """A sibling head over a tree level: (N, V) float32 raw logits after each expanded node, (N, m) int64 its
+    children (-1: none), (N, H) states, (N,) runs -> (N, m) float64 each child's chance to be the accepted one given
+    its parent is (decode.head_tree.HeadTree.weigh)."""
+    out = np.empty(tokens.shape)
+    _head_children_k(logits, tokens, hidden, runs, codes, _work(logits.shape[-1]), out, *params)
     return out
 
 

@@ -195,3 +195,43 @@ def test_compiled_speculative_sampling_gives_the_tensor_paths_verdicts():
         assert got == slow.verify_rows(tokens, q, p, gens())
         seen += [(n, k) for (n, _), k in zip(got, ks)]
     assert any(n < k for n, k in seen) and any(n == k > 0 for n, k in seen)
+
+
+def test_a_greedy_tree_levels_children_are_topk_of_the_softmax():
+    """kernels.top_children against torch's topk of the softmax, ragged counts (0 to 5 a row), masked tokens and a
+    row with one token left (its other children are -1)."""
+    x = logits_rows(1)
+    x[2, 10] = x[2, 11] = x[2].max() + 1  # a tie: the lower id first, as torch.argmax
+    counts = np.array([1, 5, 3, 0, 2, 4, 3, 1])
+    tokens, probs = kernels.top_children(x, counts)
+    p = torch.from_numpy(x).double().softmax(-1)
+    top = p.topk(5, -1)
+    for r, k in enumerate(counts):
+        left = min(k, int(np.isfinite(x[r]).sum()))  # past it, tokens of no mass (as topk gives them)
+        if r != 2:  # torch orders ties as it likes
+            assert tokens[r, :left].tolist() == top.indices[r, :left].tolist(), r
+        np.testing.assert_allclose(probs[r, :k], top.values[r, :k].numpy(), rtol=2e-5, atol=1e-12)
+        assert (tokens[r, :k] >= 0).all() and (tokens[r, k:] == -1).all()
+    assert tokens[2, :2].tolist() == [10, 11]
+
+
+def test_the_compiled_sibling_head_equals_the_head_trees_array_path(tiny_pair, tmp_path):
+    """kernels.head_children (HeadTree.weigh on the CPU) against HeadTree._weigh_rows, its numpy twin, on a random
+    depth-2 sibling head: ragged children, runs and depths."""
+    from decode.head_tree import HeadTree
+    from decode.tree_shapes import NodeBatch
+
+    extras = ["draft_entropy", "draft_top1", "cand_logq", "accepted_run", "cand_rank"]
+    shape = HeadTree(export_head(tmp_path, tiny_pair, position="prev", extras=extras, depth=2))
+    shape.start(3)
+    shape.runs = np.array([0, 4, 9])
+    g = torch.Generator().manual_seed(0)
+    h = tiny_pair.draft.config.hidden_size
+    logits, hidden = torch.randn(5, tiny_pair.vocab, generator=g) * 3, torch.randn(5, h, generator=g)
+    toks = [[3, 9, 1, 4], [7], [2, 5], [11, 12, 13], [6, 0, 8, 10]]
+    nodes = NodeBatch([0, 0, 1, 2, 2], [0, 1, 2, 1, 3], logits, hidden, toks, [[0.0] * len(t) for t in toks])
+    got = shape.weigh(1, nodes)
+    want = shape._weigh_rows(nodes, [len(t) for t in toks], shape.runs[[0, 0, 1, 2, 2]] + np.array([0, 1, 2, 1, 3]))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert len(set(np.round(np.concatenate(got), 6))) > 10  # the head's values differ by child
