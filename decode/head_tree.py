@@ -129,15 +129,17 @@ class HeadTree(TreeShape):
         best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]
         if self.costs is None:  # unpriced: EAGLE-2's rule on the head's values
             return [self.top_k if i in best else 0 for i in frontier]
-        have = np.sort(np.asarray(tree.value[1:]))[::-1]
-        spent = self._draft_ms(tree)
-        rate, wide = self._best_rate(have, spent)[0], 0
-        for w in range(1, len(best) + 1):  # the w best frontier nodes' children, valued by the ranks' running means
-            guess = np.outer([tree.value[i] for i in best[:w]], self.rank_mean).ravel()
-            r = self._best_rate(np.sort(np.concatenate([have, guess]))[::-1], spent + self._draft_table()[w])[0]
-            if r > rate:
-                rate, wide = r, w
-        expand = set(best[:wide])
+        # row w: the tree's values and those of the w best frontier nodes' children, valued by the ranks' running
+        # means, best first; each row's best rate at once
+        guess = np.outer([tree.value[i] for i in best], self.rank_mean).ravel()
+        w = np.arange(len(best) + 1)
+        values = np.concatenate([np.broadcast_to(np.asarray(tree.value[1:]), (len(w), len(tree.value) - 1)),
+                                 np.where(np.arange(len(guess)) < w[:, None] * self.top_k, guess, 0.0)], 1)
+        values = -np.sort(-values, 1)[:, : self.nodes]
+        tokens = 1.0 + np.concatenate([np.zeros((len(w), 1)), np.cumsum(values, 1)], 1)
+        spent = self._draft_ms(tree) + np.where(w > 0, self._draft_table()[w], 0.0)
+        rates = tokens / (spent[:, None] + self._verify_table()[None, : tokens.shape[1]])
+        expand = set(best[: int(np.argmax(rates.max(1)))])  # ties: the fewer nodes
         return [self.top_k if i in expand else 0 for i in frontier]
 
     def keep(self, tree, most):
@@ -187,5 +189,5 @@ class HeadTree(TreeShape):
         widths: dict[int, int] = {}
         for i in set(tree.parent[1:]) - {0}:
             widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
-        return self.round_ms + self._draft_table()[0] + self.costs.call_ms("draft", self.b * 2) + \
-            sum(self._draft_table()[w] for w in widths.values())
+        table = self._draft_table()
+        return self.round_ms + table[0] + self.costs.call_ms("draft", self.b * 2) + sum(table[w] for w in widths.values())

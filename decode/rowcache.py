@@ -70,6 +70,8 @@ class RowCache:
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.length = torch.zeros(rows, dtype=torch.long)  # (B,) tokens each row holds
         self.peak_bytes = 0  # the largest its key and value buffers grew (decode.evaluation.batch reports it)
+        self._sized = None  # the first layer's buffer when peak_bytes was last read: buffers change all at once
+        self.dtype = model.dtype  # a property that walks the parameters: read once, not per tree forward
 
     @property
     def width(self) -> int:
@@ -101,8 +103,7 @@ class RowCache:
         m = max(len(c) for c in chunks)
         ids = self._padded(chunks, m)
         allowed = torch.cat([self.valid[:, None, :] | extra, among], 2)[:, None]  # (B, 1, m, width + m)
-        dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
         logits, state = self._forward(ids, self._capped(pos), mask)
         self.valid, self.length = torch.cat([self.valid, kept], 1), self.length + kept.sum(1)
         return logits, state
@@ -143,7 +144,10 @@ class RowCache:
                       position_ids=pos.to(self.device), **kwargs)
         out, state = out if self.hidden else (out, None)
         self.calls.append((self.name, ids.shape[1]))
-        self.peak_bytes = max(self.peak_bytes, self.bytes())
+        buffers = getattr(self.cache.layers[0], "buffers", None) if self.cache.layers else None
+        sized = (buffers[0].data_ptr(), buffers[0].shape) if buffers else None
+        if sized != self._sized:  # a forward grew the buffers, or a move or select replaced them
+            self.peak_bytes, self._sized = max(self.peak_bytes, self.bytes()), sized
         return self.pair.logits(out.logits), state
 
     @torch.no_grad()

@@ -187,8 +187,8 @@ def _read(cache: RowCache, trees: list[RowTree], nodes: list[list[int]], roots: 
     """The draft reads each row's `nodes` (one level), each attending to the kept text and its own ancestors ->
     (B, m, V) their logits and (B, m, H) hidden states (None unless the cache keeps them)."""
     m, width = max(map(len, nodes)), cache.width
-    extra = torch.zeros(len(trees), m, width, dtype=torch.bool)
-    pos = torch.zeros(len(trees), m, dtype=torch.long)
+    extra = np.zeros((len(trees), m, width), dtype=bool)  # numpy: element writes cost a tensor op each in torch
+    pos = np.zeros((len(trees), m), dtype=np.int64)
     for b, (t, ns) in enumerate(zip(trees, nodes)):
         for j, i in enumerate(ns):
             pos[b, j] = roots[b] + t.depth[i]
@@ -197,8 +197,8 @@ def _read(cache: RowCache, trees: list[RowTree], nodes: list[list[int]], roots: 
                 extra[b, j, cols] = True
             t.col[i] = width + j
     among = torch.eye(m, dtype=torch.bool).expand(len(trees), m, m)
-    return cache.feed_tree([[t.tokens[i] for i in ns] for t, ns in zip(trees, nodes)], pos, extra, among,
-                           torch.zeros(len(trees), m, dtype=torch.bool))
+    return cache.feed_tree([[t.tokens[i] for i in ns] for t, ns in zip(trees, nodes)], torch.from_numpy(pos),
+                           torch.from_numpy(extra), among, torch.zeros(len(trees), m, dtype=torch.bool))
 
 
 def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch.Tensor | None) -> torch.Tensor:
@@ -209,9 +209,9 @@ def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch
     m, off = max(map(len, chunks)), int(fed_root)
     if m == 0:
         return first
-    pos = torch.zeros(len(trees), m, dtype=torch.long)
-    among = torch.zeros(len(trees), m, m, dtype=torch.bool)
-    kept = torch.zeros(len(trees), m, dtype=torch.bool)
+    pos = np.zeros((len(trees), m), dtype=np.int64)  # numpy: element writes cost a tensor op each in torch
+    among = np.zeros((len(trees), m, m), dtype=bool)
+    kept = np.zeros((len(trees), m), dtype=bool)
     for b, t in enumerate(trees):
         n = len(t.tokens)
         for i in range(1 - off, n):
@@ -224,7 +224,8 @@ def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch
             kept[b, 0] = True
         for c in range(len(chunks[b]), m):
             among[b, c, c] = True  # filler reads itself alone
-    logits, _ = target.feed_tree(chunks, pos, torch.zeros(len(trees), m, target.width, dtype=torch.bool), among, kept)
+    logits, _ = target.feed_tree(chunks, torch.from_numpy(pos), torch.zeros(len(trees), m, target.width, dtype=torch.bool),
+                                 torch.from_numpy(among), torch.from_numpy(kept))
     return logits if fed_root else torch.cat([first, logits], 1)
 
 
