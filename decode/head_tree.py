@@ -170,9 +170,8 @@ class HeadTree(TreeShape):
         """(nodes + 1,) ms of the target scoring the root and n nodes in every row of the batch (rows priced alike)."""
         key = ("verify", self.b)
         if key not in self._tables:
-            # a forward of more tokens never costs less: a measured dip is the machine's noise, which would buy nodes
-            self._tables[key] = np.maximum.accumulate([self.costs.call_ms("target", self.b * (n + 1), switched=True)
-                                                       for n in range(self.nodes + 1)])
+            self._tables[key] = monotone([self.costs.call_ms("target", self.b * (n + 1), switched=True)
+                                          for n in range(self.nodes + 1)])
         return self._tables[key]
 
     def _draft_table(self) -> np.ndarray:
@@ -180,8 +179,9 @@ class HeadTree(TreeShape):
         work alone, which the root's level pays too)."""
         key = ("draft", self.b)
         if key not in self._tables:
-            self._tables[key] = np.array([0.0] + [self.costs.call_ms("draft", self.b * w)
-                                                  for w in range(1, self.top_k + 1)])
+            width = max(self.top_k, 5)  # widths past top_k too, so the median filter sees both sides of top_k
+            self._tables[key] = np.concatenate([[0.0], monotone([self.costs.call_ms("draft", self.b * w)
+                                                                 for w in range(1, width + 1)])[: self.top_k]])
         return self._tables[key] + self.level_ms
 
     def _draft_ms(self, tree) -> float:
@@ -191,3 +191,15 @@ class HeadTree(TreeShape):
             widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
         table = self._draft_table()
         return self.round_ms + table[0] + self.costs.call_ms("draft", self.b * 2) + sum(table[w] for w in widths.values())
+
+
+def monotone(ms: list[float], window: int = 5) -> np.ndarray:
+    """A cost table by size, measured once, as the tree prices it: a running median over `window` sizes, then
+    non-decreasing. A forward of more tokens never costs less, so a measured dip is noise; so is a lone spike, which
+    the running maximum alone would carry to every larger size, making them look free (a tree then grows past what
+    pays: one spike at 6 tokens of a busy 2-core machine's table priced 6 to 33 alike)."""
+    x = np.asarray(ms, dtype=np.float64)
+    reach = [min(window // 2, i, len(x) - 1 - i) for i in range(len(x))]  # centred: the ends keep their own sizes
+    smooth = np.array([np.median(x[i - r: i + r + 1]) for i, r in enumerate(reach)])
+    return np.maximum.accumulate(smooth)
+

@@ -107,3 +107,16 @@ def test_a_childs_value_is_its_chance_to_be_the_accepted_one(tiny_pair, tmp_path
     assert np.allclose(got[0], [0.5, 0.25, 0.125]) and np.allclose(got[1], [0.5])
     shape.tree_verified([3, 1], [True, False])
     assert shape.runs.tolist() == [4, 0]
+
+
+def test_a_lone_spike_in_a_cost_table_does_not_price_the_larger_sizes():
+    """monotone: a running median, then non-decreasing; a measured dip and a lone spike are both noise."""
+    from decode.head_tree import monotone
+
+    line = [10.0 + 0.5 * n for n in range(12)]
+    spiked = line.copy()
+    spiked[3], spiked[7] = 40.0, 5.0
+    got = monotone(spiked)
+    assert np.all(np.diff(got) >= 0) and got[0] == 10.0
+    assert np.abs(got - np.array(line)).max() <= 1.0  # the spike at 3 no longer prices 3 to 11 at 40
+    assert np.allclose(monotone(line), line)
