@@ -80,6 +80,10 @@ def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> l
     law with the earlier draws removed; sample() scales by the remaining mass, so removing renormalises). A law
     with fewer tokens than its count gives them all; its unused uniforms are spent all the same. One batched draw
     per child rank, and one host read for them all."""
+    if kernels.HAVE_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32:  # one compiled pass a draw
+        got = kernels.draws_without_replacement(as_numpy(q), np.asarray(counts, dtype=np.int64),
+                                                np.asarray(u, dtype=np.float64))
+        return [[t for t in row if t >= 0] for row in got.tolist()]
     law, out = q.clone(), [[] for _ in counts]
     starts = [0]
     for c in counts:
@@ -163,14 +167,10 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
         # row by row, each row's nodes in order: the order `at` lists them in, so the draws line up with the laws
         u = streams.draw([sum(c) for c in counts]).tolist()
         toks = without_replacement(q, m_of, u)
-        flat = torch.tensor([t for got in toks for t in got], device=q.device)
-        owner = torch.tensor([n for n, got in enumerate(toks) for _ in got], device=q.device)
-        drawn = q[owner, flat].tolist() if len(flat) else []
-        probs, k = [], 0
-        for n, got in enumerate(toks):
-            probs.append(drawn[k:k + len(got)])
-            k += len(got)
-            trees[at[n][0]].q[frontier[at[n][0]][at[n][1]]] = q[n]
+        law = q.cpu().numpy()  # one host read: each child's probability under q
+        probs = [[float(law[n, t]) for t in got] for n, got in enumerate(toks)]
+        for n, (b, j) in enumerate(at):
+            trees[b].q[frontier[b][j]] = q[n]
     hidden = None if state is None else state[idx[:, 0].to(state.device), idx[:, 1].to(state.device)]
     nodes = NodeBatch([b for b, _ in at], [trees[b].depth[frontier[b][j]] for b, j in at], logits, hidden, toks, probs)
     if raw is not None:
@@ -257,8 +257,12 @@ def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams)
                              torch.tensor([v for _, v, _ in items], device=dev)], sampling)
         q = torch.stack([trees[b].q[v] for b, v, _ in items])
         m = max(len(cs) for _, _, cs in items)
-        x = torch.tensor([[trees[b].tokens[c] for c in cs] + [-1] * (m - len(cs)) for b, _, cs in items], device=dev)
-        a, left = sibling_tests(p, q, x)
+        x = [[trees[b].tokens[c] for c in cs] + [-1] * (m - len(cs)) for b, _, cs in items]
+        if kernels.HAVE_NUMBA and dev.type == "cpu" and p.dtype == q.dtype == torch.float32:  # no pass per rank
+            a, left = kernels.sibling_tests(as_numpy(p), as_numpy(q), np.asarray(x, dtype=np.int64))
+            left = torch.from_numpy(left)
+        else:
+            a, left = sibling_tests(p, q, torch.tensor(x, device=dev))
         alpha, at = a.tolist(), {(b, v): i for i, (b, v, _) in enumerate(items)}
     paths, laws = [], []  # a row's law: ("left", i), item i's residual after all its children, or ("p", b, v)
     for b in range(len(trees)):

@@ -11,6 +11,8 @@ functions do the same work with no temporaries:
     mlp_prob(hidden, extras, params)     (H,) state and (E,) extras -> the head's calibrated probability
     head_rows(logits, tokens, hidden, runs, codes, params)   head_step over R rows -> (4, R)
     top_children(logits, counts)         (N, V) and (N,) -> a greedy tree level's children and their probabilities
+    draws_without_replacement(q, counts, u)   a sampled tree level's children, drawn as decode.tree draws them
+    sibling_tests(p, q, x)               recursive rejection's tests at a tree's nodes (decode.labels.sibling_tests)
     head_children(logits, tokens, hidden, runs, codes, params)   a sibling head over a tree level's children
     round_progress(reach, surv, deciding, a, k, later)       decode.batch_control's expected progress of a round
                                                            stopping after j = 0 .. later more candidates
@@ -171,6 +173,67 @@ def _top_children(logits, counts, tokens, probs, work):
             probs[n, j] = math.exp(x[tokens[n, j]] - m) / total
 
 
+def _draws_without_replacement(q, counts, u, out):
+    """decode.tree.without_replacement, one law at a time: law n's counts[n] draws, each by sample()'s inverse CDF
+    (the first token whose float64 running mass, summed in order, exceeds u times the total; past the end, the
+    last token with mass) on the law with the earlier draws removed. A law left with no mass draws no more (-1)."""
+    k = 0
+    for n in range(q.shape[0]):
+        law = q[n].astype(np.float64)
+        for j in range(out.shape[1]):
+            out[n, j] = -1
+        for j in range(counts[n]):
+            total, last, best = 0.0, 0, 0.0
+            for i in range(law.shape[0]):
+                total += law[i]
+            if total > 0:
+                target, acc, tok = u[k + j] * total, 0.0, -1
+                for i in range(law.shape[0]):
+                    acc += law[i]
+                    if acc > best:  # the first maximum of the running sums: the last token with mass
+                        best, last = acc, i
+                    if tok < 0 and acc > target:
+                        tok = i
+                out[n, j] = last if tok < 0 else tok
+                law[out[n, j]] = 0.0
+        k += counts[n]
+
+
+def _sibling_tests(p, q, x, alpha, left):
+    """decode.labels.sibling_tests node by node, in float64: (N, V) p and q, (N, m) children (-1: none) -> alpha
+    (N, m) each child's chance to be accepted once the earlier ones were rejected, left (N, V) the residual after
+    them all. r_1 = p; q_j is q with the earlier children removed, renormalised; r_{j+1} = norm(max(r_j - q_j, 0)),
+    or r_j where that has no mass."""
+    v = p.shape[1]
+    r, qq, nxt = np.empty(v), np.empty(v), np.empty(v)
+    for n in range(p.shape[0]):
+        for i in range(v):
+            r[i], qq[i] = p[n, i], q[n, i]
+        for j in range(x.shape[1]):
+            t = x[n, j]
+            alpha[n, j] = 0.0
+            if t < 0:
+                continue
+            if j > 0:
+                mass = 0.0
+                for i in range(v):
+                    mass += qq[i]
+                mass = max(mass, 1.1754943508222875e-38)
+                for i in range(v):
+                    qq[i] /= mass
+            alpha[n, j] = 1.0 if qq[t] <= 0 else min(1.0, r[t] / qq[t])
+            mass = 0.0
+            for i in range(v):
+                nxt[i] = max(r[i] - qq[i], 0.0)
+                mass += nxt[i]
+            if mass > 0:
+                for i in range(v):
+                    r[i] = nxt[i] / mass
+            qq[t] = 0.0
+        for i in range(v):
+            left[n, i] = r[i]
+
+
 def _head_children(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
     """A sibling head over each expanded node's children: out[n, j] = a_j * prod_{i<j} (1 - a_i), a_j the head's
     chance that child j (rank j, tokens[n, j]; -1: none) is accepted once the children before it were rejected,
@@ -234,6 +297,9 @@ _mlp_prob = _jit(_mlp_prob) or _mlp_prob
 _extras_into = _jit(_extras_into) or _extras_into
 _head_step = _jit(_head_step) or _head_step
 _top_children_k = _jit(_top_children)
+_sibling_tests_k = _jit(_sibling_tests)
+# no fast-math: the running sums must add in order, as torch's cumsum does, for the same token on the same uniform
+_draws_k = numba.njit(cache=True, nogil=True)(_draws_without_replacement) if HAVE_NUMBA else None
 _head_children_k = _jit(_head_children)
 _head_step_k = _head_step if HAVE_NUMBA else None
 _head_rows_k = _jit(_head_rows)
@@ -296,6 +362,22 @@ def top_children(logits: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np
     tokens, probs = np.empty((len(counts), most), dtype=np.int64), np.empty((len(counts), most))
     _top_children_k(logits, counts, tokens, probs, _work(logits.shape[-1]))
     return tokens, probs
+
+
+def draws_without_replacement(q: np.ndarray, counts: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """(N, V) float32 laws, (N,) int64 counts and their float64 uniforms, law by law -> (N, max count) int64 draws
+    without replacement, -1 where a law ran out of mass: decode.tree.without_replacement's draws, token for token."""
+    out = np.empty((len(counts), int(counts.max()) if len(counts) else 0), dtype=np.int64)
+    _draws_k(q, counts, u, out)
+    return out
+
+
+def sibling_tests(p: np.ndarray, q: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """decode.labels.sibling_tests on the CPU for a tree's few nodes: (N, V) float32 p and q, (N, m) int64 children
+    -> (N, m) float64 alpha and (N, V) float32 the residual after every child."""
+    alpha, left = np.empty(x.shape), np.empty(p.shape, dtype=np.float32)
+    _sibling_tests_k(p, q, x, alpha, left)
+    return alpha, left
 
 
 def head_children(logits: np.ndarray, tokens: np.ndarray, hidden: np.ndarray, runs: np.ndarray, codes: np.ndarray,

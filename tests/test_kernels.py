@@ -235,3 +235,47 @@ def test_the_compiled_sibling_head_equals_the_head_trees_array_path(tiny_pair, t
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     assert len(set(np.round(np.concatenate(got), 6))) > 10  # the head's values differ by child
+
+
+def test_compiled_draws_without_replacement_are_the_tensor_paths_token_for_token(monkeypatch):
+    """decode.tree.without_replacement's compiled path against its tensor path on the same uniforms: 40 laws from
+    flat to peaked, some with most tokens of no mass (top-p / top-k) and one with fewer tokens than its count (it
+    gives them all), 0 to 5 draws each, over 20 seeds."""
+    from decode import tree
+
+    g = np.random.default_rng(0)
+    x = g.standard_normal((40, 300)).astype(np.float32) * np.linspace(0.1, 8, 40, dtype=np.float32)[:, None]
+    q = torch.from_numpy(x).softmax(-1)
+    q[::3, 20:] = 0.0  # a nucleus of 20 tokens
+    q[7, 2:] = 0.0  # two tokens left for five draws
+    counts = [int(c) for c in g.integers(0, 6, 40)]
+    counts[7] = 5
+    for seed in range(20):
+        u = np.random.default_rng(seed + 1).random(sum(counts)).tolist()
+        fast = tree.without_replacement(q, counts, u)
+        monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+        assert fast == tree.without_replacement(q, counts, u), seed
+        monkeypatch.setattr(kernels, "HAVE_NUMBA", True)
+        assert len(fast[7]) == 2 and all(len(set(d)) == len(d) for d in fast)
+
+
+def test_compiled_sibling_tests_equal_the_label_maths():
+    """kernels.sibling_tests (a tree's walk on the CPU) against decode.labels.sibling_tests (labelling's and the
+    walk's tensor path): 30 nodes, targets near to far from the draft, some of no mass on most tokens, 0 to 4
+    children drawn without replacement (-1 past them)."""
+    from decode.labels import sibling_tests
+
+    g = np.random.default_rng(3)
+    q = torch.from_numpy(g.standard_normal((30, 200)).astype(np.float32) * 2).softmax(-1)
+    p = (q.log() * 0.5 + torch.from_numpy(g.standard_normal((30, 200)).astype(np.float32))).softmax(-1)
+    p[::4, 50:] = 0.0
+    p = p / p.sum(-1, keepdim=True)
+    x = torch.full((30, 4), -1)
+    for n in range(30):
+        k = n % 5
+        x[n, :k] = torch.multinomial(q[n], k, replacement=False, generator=torch.Generator().manual_seed(n)) if k else x[n, :0]
+    alpha, left = kernels.sibling_tests(p.numpy(), q.numpy(), x.numpy())
+    want_a, want_left = sibling_tests(p.double(), q.double(), x)
+    np.testing.assert_allclose(alpha, want_a.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(left, want_left.numpy(), rtol=1e-4, atol=1e-7)
+    assert 0 < (alpha[:, 1:] > 0).mean() and (alpha[:, 0] < 1).any()

@@ -14,6 +14,7 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.engine import SpeculativeDecoder
 from decode.policies import FixedK
 from decode.rowcache import windowed
+from heads import kernels
 from decode.rules import FSD, GreedyMatch, SpeculativeSampling, draw
 from decode.tree_shapes import ConfidenceTree, StaticTree, best_first, expected_tokens, sequoia_paths
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
@@ -120,6 +121,7 @@ def test_a_tree_without_the_residual_update_or_drawn_with_replacement_is_caught(
     shape = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1)])
     with monkeypatch.context() as m:  # after a rejected sibling, the next is tested against p itself
         m.setattr(labels_mod, "residual", lambda r, q: r)  # sibling_tests lives in decode.labels
+        m.setattr(kernels, "HAVE_NUMBA", False)  # its compiled twin is held equal to it (tests/test_kernels.py)
         assert tree_pvalue(pair, shape, n=1200, rows=256) < ALPHA
     with monkeypatch.context() as m:  # siblings may repeat a token, yet are tested as if drawn without replacement
         def with_replacement(q, counts, u):
