@@ -14,9 +14,9 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.engine import SpeculativeDecoder
 from decode.policies import FixedK
 from decode.rowcache import windowed
-from heads import kernels
 from decode.rules import FSD, GreedyMatch, SpeculativeSampling, draw
 from decode.tree_shapes import ConfidenceTree, StaticTree, best_first, expected_tokens, sequoia_paths
+from heads import kernels
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
 from tests.test_batch import assert_rows_equal, ragged
 from tests.test_decode import ALPHA
