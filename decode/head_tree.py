@@ -32,7 +32,7 @@ from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
 from decode.sampling import as_numpy
 from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_order
-from heads import kernels
+from heads import kernels, tree_kernels
 
 
 class HeadTree(TreeShape):
@@ -91,7 +91,7 @@ class HeadTree(TreeShape):
             kids = np.full((len(sizes), max(sizes)), -1, dtype=np.int64)
             for n, t in enumerate(nodes.tokens):
                 kids[n, :len(t)] = t
-            value = kernels.head_children(as_numpy(nodes.logits), kids, as_numpy(nodes.hidden), runs,
+            value = tree_kernels.head_children(as_numpy(nodes.logits), kids, as_numpy(nodes.hidden), runs,
                                           self.head._codes, params)
             out = [v[:m] for v, m in zip(value.tolist(), sizes)]
         else:

@@ -25,7 +25,7 @@ from decode.rowcache import RowCache
 from decode.sampling import argmax, as_numpy, sample, transform
 from decode.streams import Streams
 from decode.tree_shapes import NodeBatch, TreeShape
-from heads import kernels
+from heads import kernels, tree_kernels
 
 
 @dataclass
@@ -81,7 +81,7 @@ def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> l
     with fewer tokens than its count gives them all; its unused uniforms are spent all the same. One batched draw
     per child rank, and one host read for them all."""
     if kernels.HAVE_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32:  # one compiled pass a draw
-        got = kernels.draws_without_replacement(as_numpy(q), np.asarray(counts, dtype=np.int64),
+        got = tree_kernels.draws_without_replacement(as_numpy(q), np.asarray(counts, dtype=np.int64),
                                                 np.asarray(u, dtype=np.float64))
         return [[t for t in row if t >= 0] for row in got.tolist()]
     law, out = q.clone(), [[] for _ in counts]
@@ -154,7 +154,7 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
     m_of = [counts[b][j] for b, j in at]
     raw = None
     if greedy and kernels.HAVE_NUMBA and logits.device.type == "cpu":  # one compiled pass over each node's logits
-        tk, pr = kernels.top_children(as_numpy(logits), np.asarray(m_of, dtype=np.int64))
+        tk, pr = tree_kernels.top_children(as_numpy(logits), np.asarray(m_of, dtype=np.int64))
         toks = [t[:m] for t, m in zip(tk.tolist(), m_of)]
         probs = [v[:m] for v, m in zip(pr.tolist(), m_of)]
     elif greedy:
@@ -259,7 +259,7 @@ def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams)
         m = max(len(cs) for _, _, cs in items)
         x = [[trees[b].tokens[c] for c in cs] + [-1] * (m - len(cs)) for b, _, cs in items]
         if kernels.HAVE_NUMBA and dev.type == "cpu" and p.dtype == q.dtype == torch.float32:  # no pass per rank
-            a, left = kernels.sibling_tests(as_numpy(p), as_numpy(q), np.asarray(x, dtype=np.int64))
+            a, left = tree_kernels.sibling_tests(as_numpy(p), as_numpy(q), np.asarray(x, dtype=np.int64))
             left = torch.from_numpy(left)
         else:
             a, left = sibling_tests(p, q, torch.tensor(x, device=dev))

@@ -10,10 +10,6 @@ functions do the same work with no temporaries:
     softmax_scalars_rows(logits, tokens) (R, V) and (R,) -> (3, R), the same per row
     mlp_prob(hidden, extras, params)     (H,) state and (E,) extras -> the head's calibrated probability
     head_rows(logits, tokens, hidden, runs, codes, params)   head_step over R rows -> (4, R)
-    top_children(logits, counts)         (N, V) and (N,) -> a greedy tree level's children and their probabilities
-    draws_without_replacement(q, counts, u)   a sampled tree level's children, drawn as decode.tree draws them
-    sibling_tests(p, q, x)               recursive rejection's tests at a tree's nodes (decode.labels.sibling_tests)
-    head_children(logits, tokens, hidden, runs, codes, params)   a sibling head over a tree level's children
     round_progress(reach, surv, deciding, a, k, later)       decode.batch_control's expected progress of a round
                                                            stopping after j = 0 .. later more candidates
 A batch controller decides after every draft step too, and its numpy path (about 60 array ops) took 340 us a
@@ -21,7 +17,8 @@ decision in the loop at batch 8, 3-5% of a round; small batches (up to ROWS_MAX 
 Larger ones keep the numpy head (AcceptanceHead.inference_fn on (R, D)), whose BLAS matmul wins once there are rows
 to amortise a call over, and decode.policies.draft_scalars runs softmax_scalars_rows (as fast as its numpy twin at
 64 rows); tests hold every compiled path equal to its numpy twin. Without numba installed (HAVE_NUMBA False) callers
-use the numpy paths.
+use the numpy paths. heads.tree_kernels holds a token tree's (a level's children, the sibling head, the draws and
+the walk's tests).
 """
 
 from __future__ import annotations
@@ -150,110 +147,8 @@ def _extras_into(extras, codes, ent, top1, conf, run, rank):
             extras[i] = rank
 
 
-def _top_children(logits, counts, tokens, probs, work):
-    """Row n's counts[n] tokens of highest logit (ties: the lower id), best first, and their softmax probabilities
-    (where fewer tokens have mass, some of no mass, as topk gives them); tokens[n, j] = -1 and probs[n, j] = 0 past
-    counts[n]. One pass over V a row, where topk and softmax are two."""
-    for n in range(logits.shape[0]):
-        x, k = logits[n], counts[n]
-        for j in range(tokens.shape[1]):
-            tokens[n, j], probs[n, j] = -1, 0.0
-        m = x[0]
-        for i in range(x.shape[0]):
-            m = max(m, x[i])
-            v, j = x[i], k
-            while j > 0 and (tokens[n, j - 1] < 0 or x[tokens[n, j - 1]] < v):
-                j -= 1
-            if j < k:
-                for t in range(k - 1, j, -1):
-                    tokens[n, t] = tokens[n, t - 1]
-                tokens[n, j] = i
-        total, _ = _exp_sums(x, m, work)
-        for j in range(k):
-            probs[n, j] = math.exp(x[tokens[n, j]] - m) / total
 
 
-def _draws_without_replacement(q, counts, u, out):
-    """decode.tree.without_replacement, one law at a time: law n's counts[n] draws, each by sample()'s inverse CDF
-    (the first token whose float64 running mass, summed in order, exceeds u times the total; past the end, the
-    last token with mass) on the law with the earlier draws removed. A law left with no mass draws no more (-1)."""
-    k = 0
-    for n in range(q.shape[0]):
-        law = q[n].astype(np.float64)
-        for j in range(out.shape[1]):
-            out[n, j] = -1
-        for j in range(counts[n]):
-            total, last, best = 0.0, 0, 0.0
-            for i in range(law.shape[0]):
-                total += law[i]
-            if total > 0:
-                target, acc, tok = u[k + j] * total, 0.0, -1
-                for i in range(law.shape[0]):
-                    acc += law[i]
-                    if acc > best:  # the first maximum of the running sums: the last token with mass
-                        best, last = acc, i
-                    if tok < 0 and acc > target:
-                        tok = i
-                out[n, j] = last if tok < 0 else tok
-                law[out[n, j]] = 0.0
-        k += counts[n]
-
-
-def _sibling_tests(p, q, x, alpha, left):
-    """decode.labels.sibling_tests node by node, in float64: (N, V) p and q, (N, m) children (-1: none) -> alpha
-    (N, m) each child's chance to be accepted once the earlier ones were rejected, left (N, V) the residual after
-    them all. r_1 = p; q_j is q with the earlier children removed, renormalised; r_{j+1} = norm(max(r_j - q_j, 0)),
-    or r_j where that has no mass."""
-    v = p.shape[1]
-    r, qq, nxt = np.empty(v), np.empty(v), np.empty(v)
-    for n in range(p.shape[0]):
-        for i in range(v):
-            r[i], qq[i] = p[n, i], q[n, i]
-        for j in range(x.shape[1]):
-            t = x[n, j]
-            alpha[n, j] = 0.0
-            if t < 0:
-                continue
-            if j > 0:
-                mass = 0.0
-                for i in range(v):
-                    mass += qq[i]
-                mass = max(mass, 1.1754943508222875e-38)
-                for i in range(v):
-                    qq[i] /= mass
-            alpha[n, j] = 1.0 if qq[t] <= 0 else min(1.0, r[t] / qq[t])
-            mass = 0.0
-            for i in range(v):
-                nxt[i] = max(r[i] - qq[i], 0.0)
-                mass += nxt[i]
-            if mass > 0:
-                for i in range(v):
-                    r[i] = nxt[i] / mass
-            qq[t] = 0.0
-        for i in range(v):
-            left[n, i] = r[i]
-
-
-def _head_children(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
-    """A sibling head over each expanded node's children: out[n, j] = a_j * prod_{i<j} (1 - a_i), a_j the head's
-    chance that child j (rank j, tokens[n, j]; -1: none) is accepted once the children before it were rejected,
-    from the softmax scalars of row n's raw logits (computed once a node) and run runs[n]."""
-    extras = np.empty(codes.shape[0], dtype=np.float32)
-    for n in range(logits.shape[0]):
-        x = logits[n]
-        m = x[0]
-        for i in range(x.shape[0]):
-            m = max(m, x[i])
-        total, dot = _exp_sums(x, m, work)
-        ent, top1, survive = math.log(total) - dot / total, 1.0 / total, 1.0
-        for j in range(tokens.shape[1]):
-            out[n, j] = 0.0
-            if tokens[n, j] < 0:
-                continue
-            _extras_into(extras, codes, ent, top1, math.exp(x[tokens[n, j]] - m) / total, runs[n], j)
-            a = _mlp_prob(hidden[n], extras, inv, shift, w, b, w_out, b_out)
-            out[n, j] = a * survive
-            survive *= 1.0 - a
 
 
 def _head_rows(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
@@ -296,11 +191,6 @@ _softmax_scalars = _jit(_softmax_scalars) or _softmax_scalars
 _mlp_prob = _jit(_mlp_prob) or _mlp_prob
 _extras_into = _jit(_extras_into) or _extras_into
 _head_step = _jit(_head_step) or _head_step
-_top_children_k = _jit(_top_children)
-_sibling_tests_k = _jit(_sibling_tests)
-# no fast-math: the running sums must add in order, as torch's cumsum does, for the same token on the same uniform
-_draws_k = numba.njit(cache=True, nogil=True)(_draws_without_replacement) if HAVE_NUMBA else None
-_head_children_k = _jit(_head_children)
 _head_step_k = _head_step if HAVE_NUMBA else None
 _head_rows_k = _jit(_head_rows)
 _round_progress_k = _jit(_round_progress)
@@ -355,39 +245,8 @@ def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray,
     return out
 
 
-def top_children(logits: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(N, V) float32 raw logits and (N,) int64 counts -> (N, max count) int64 each row's top tokens, best first (-1
-    past its count), and (N, max count) float64 their softmax probabilities: a greedy tree level's children."""
-    most = int(counts.max()) if len(counts) else 0
-    tokens, probs = np.empty((len(counts), most), dtype=np.int64), np.empty((len(counts), most))
-    _top_children_k(logits, counts, tokens, probs, _work(logits.shape[-1]))
-    return tokens, probs
 
 
-def draws_without_replacement(q: np.ndarray, counts: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """(N, V) float32 laws, (N,) int64 counts and their float64 uniforms, law by law -> (N, max count) int64 draws
-    without replacement, -1 where a law ran out of mass: decode.tree.without_replacement's draws, token for token."""
-    out = np.empty((len(counts), int(counts.max()) if len(counts) else 0), dtype=np.int64)
-    _draws_k(q, counts, u, out)
-    return out
-
-
-def sibling_tests(p: np.ndarray, q: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """decode.labels.sibling_tests on the CPU for a tree's few nodes: (N, V) float32 p and q, (N, m) int64 children
-    -> (N, m) float64 alpha and (N, V) float32 the residual after every child."""
-    alpha, left = np.empty(x.shape), np.empty(p.shape, dtype=np.float32)
-    _sibling_tests_k(p, q, x, alpha, left)
-    return alpha, left
-
-
-def head_children(logits: np.ndarray, tokens: np.ndarray, hidden: np.ndarray, runs: np.ndarray, codes: np.ndarray,
-                  params: tuple) -> np.ndarray:
-    """A sibling head over a tree level: (N, V) float32 raw logits after each expanded node, (N, m) int64 its
-    children (-1: none), (N, H) states, (N,) runs -> (N, m) float64 each child's chance to be the accepted one given
-    its parent is (decode.head_tree.HeadTree.weigh)."""
-    out = np.empty(tokens.shape)
-    _head_children_k(logits, tokens, hidden, runs, codes, _work(logits.shape[-1]), out, *params)
-    return out
 
 
 def round_progress(reach: np.ndarray, surv: np.ndarray, deciding: np.ndarray, a: np.ndarray, k: int,

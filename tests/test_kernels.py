@@ -12,7 +12,7 @@ from decode.engine import SpeculativeDecoder
 from decode.policies import CostAwareStop, DraftStep, FixedK, SpecDecPP, draft_scalars
 from decode.rules import SpeculativeSampling
 from decode.streams import Streams
-from heads import EXTRAS, AcceptanceHead, kernels
+from heads import EXTRAS, AcceptanceHead, kernels, tree_kernels
 from tests.test_decode import PROMPTS, export_head
 
 pytest.importorskip("numba")
@@ -203,7 +203,7 @@ def test_a_greedy_tree_levels_children_are_topk_of_the_softmax():
     x = logits_rows(1)
     x[2, 10] = x[2, 11] = x[2].max() + 1  # a tie: the lower id first, as torch.argmax
     counts = np.array([1, 5, 3, 0, 2, 4, 3, 1])
-    tokens, probs = kernels.top_children(x, counts)
+    tokens, probs = tree_kernels.top_children(x, counts)
     p = torch.from_numpy(x).double().softmax(-1)
     top = p.topk(5, -1)
     for r, k in enumerate(counts):
@@ -216,7 +216,7 @@ def test_a_greedy_tree_levels_children_are_topk_of_the_softmax():
 
 
 def test_the_compiled_sibling_head_equals_the_head_trees_array_path(tiny_pair, tmp_path):
-    """kernels.head_children (HeadTree.weigh on the CPU) against HeadTree._weigh_rows, its numpy twin, on a random
+    """tree_kernels.head_children (HeadTree.weigh on the CPU) against HeadTree._weigh_rows, its numpy twin, on a random
     depth-2 sibling head: ragged children, runs and depths."""
     from decode.head_tree import HeadTree
     from decode.tree_shapes import NodeBatch
@@ -274,7 +274,7 @@ def test_compiled_sibling_tests_equal_the_label_maths():
     for n in range(30):
         k = n % 5
         x[n, :k] = torch.multinomial(q[n], k, replacement=False, generator=torch.Generator().manual_seed(n)) if k else x[n, :0]
-    alpha, left = kernels.sibling_tests(p.numpy(), q.numpy(), x.numpy())
+    alpha, left = tree_kernels.sibling_tests(p.numpy(), q.numpy(), x.numpy())
     want_a, want_left = sibling_tests(p.double(), q.double(), x)
     np.testing.assert_allclose(alpha, want_a.numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(left, want_left.numpy(), rtol=1e-4, atol=1e-7)
