@@ -201,5 +201,9 @@ def monotone(ms: list[float], window: int = 5) -> np.ndarray:
     x = np.asarray(ms, dtype=np.float64)
     reach = [min(window // 2, i, len(x) - 1 - i) for i in range(len(x))]  # centred: the ends keep their own sizes
     smooth = np.array([np.median(x[i - r: i + r + 1]) for i, r in enumerate(reach)])
+    # the first sizes see few neighbours on their left: capped by the median of the window on their right, a spike
+    # there (the one-token verify) no longer carries to every size, and a rising table keeps its own values
+    for i in range(min(window // 2, len(x))):
+        smooth[i] = min(smooth[i], np.median(x[i: i + window]))
     return np.maximum.accumulate(smooth)
 

@@ -29,7 +29,7 @@ def _top_children(logits, counts, tokens, probs, work):
     (where fewer tokens have mass, some of no mass, as topk gives them); tokens[n, j] = -1 and probs[n, j] = 0 past
     counts[n]. One pass over V a row, where topk and softmax are two."""
     for n in range(logits.shape[0]):
-        x, k = logits[n], counts[n]
+        x, k = logits[n], min(counts[n], logits.shape[1])  # no more children than tokens
         for j in range(tokens.shape[1]):
             tokens[n, j], probs[n, j] = -1, 0.0
         m = x[0]

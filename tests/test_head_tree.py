@@ -120,3 +120,5 @@ def test_a_lone_spike_in_a_cost_table_does_not_price_the_larger_sizes():
     assert np.all(np.diff(got) >= 0) and got[0] == 10.0
     assert np.abs(got - np.array(line)).max() <= 1.0  # the spike at 3 no longer prices 3 to 11 at 40
     assert np.allclose(monotone(line), line)
+    first = [44.0] + line[1:]  # a spike at the one-token verify
+    assert monotone(first)[-1] == line[-1] and monotone(first)[0] == np.median(first[:5])  # 11.5, not 44
