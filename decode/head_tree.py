@@ -92,7 +92,7 @@ class HeadTree(TreeShape):
             for n, t in enumerate(nodes.tokens):
                 kids[n, :len(t)] = t
             value = tree_kernels.head_children(as_numpy(nodes.logits), kids, as_numpy(nodes.hidden), runs,
-                                          self.head._codes, params)
+                                               self.head._codes, params)
             out = [v[:m] for v, m in zip(value.tolist(), sizes)]
         else:
             out = self._weigh_rows(nodes, sizes, runs)
@@ -206,4 +206,3 @@ def monotone(ms: list[float], window: int = 5) -> np.ndarray:
     for i in range(min(window // 2, len(x))):
         smooth[i] = min(smooth[i], np.median(x[i: i + window]))
     return np.maximum.accumulate(smooth)
-

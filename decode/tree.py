@@ -82,7 +82,7 @@ def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> l
     per child rank, and one host read for them all."""
     if kernels.HAVE_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32:  # one compiled pass a draw
         got = tree_kernels.draws_without_replacement(as_numpy(q), np.asarray(counts, dtype=np.int64),
-                                                np.asarray(u, dtype=np.float64))
+                                                     np.asarray(u, dtype=np.float64))
         return [[t for t in row if t >= 0] for row in got.tolist()]
     law, out = q.clone(), [[] for _ in counts]
     starts = [0]

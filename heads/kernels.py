@@ -147,10 +147,6 @@ def _extras_into(extras, codes, ent, top1, conf, run, rank):
             extras[i] = rank
 
 
-
-
-
-
 def _head_rows(logits, tokens, hidden, runs, codes, work, out, inv, shift, w, b, w_out, b_out):
     for r in range(hidden.shape[0]):
         out[0, r], out[1, r], out[2, r], out[3, r] = _head_step(logits[r], tokens[r], hidden[r], runs[r], codes, work,
@@ -243,10 +239,6 @@ def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray,
         logits = np.zeros((hidden.shape[0], 0), dtype=np.float32)
     _head_rows_k(logits, tokens, hidden, runs, codes, _work(v), out, *params)
     return out
-
-
-
-
 
 
 def round_progress(reach: np.ndarray, surv: np.ndarray, deciding: np.ndarray, a: np.ndarray, k: int,
