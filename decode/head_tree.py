@@ -12,7 +12,9 @@ path (Sequoia's positional model with the head's numbers in place of one vector 
 
 Like decode.batch_control.BatchCostAware, a HeadTree is a batch-level control that learns as it decodes: a round's
 tree depends on the batch size (a verify prices every row's nodes) and on what earlier rounds taught it (each rank's
-share, the host work a level and a round cost, learnt from the wall clock). Greedy output is the target's whatever
+share, the host work a level and a round cost, learnt from the wall clock; the forwards' measured ms over the tables',
+which are measured once on a machine whose speed drifts; at each depth, the tokens that arrived over those the values
+promised, since a head is optimistic deep in a tree or on text it was not trained on). Greedy output is the target's whatever
 the tree; under sampling the law is the target's, but a row's draws depend on the trees it got, so they differ
 between a row alone and in a batch, and between a fresh HeadTree and one that has decoded before.
 
@@ -31,20 +33,24 @@ import torch
 from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
 from decode.sampling import as_numpy
-from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_order
+from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_first, best_order
 from heads import kernels, tree_kernels
+
+DECAY = 0.95  # per round, of what the rounds taught (about the last 20 rounds count)
+PRIOR = 2.0  # tokens of evidence that a depth's calibration is 1, which never decay
 
 
 class HeadTree(TreeShape):
     """A dynamic tree valued by a sibling head (see the module). top_k: the most children a node gets and the most
     nodes a level expands; depth: the most levels; nodes: the most nodes verified. allow_sampling_mismatch: use a head
-    trained for another sampling setting (warns)."""
+    trained for another sampling setting (warns). learn: let the rounds correct the tables and the head (the forwards'
+    measured ms scale the cost tables, each depth's accepted tokens calibrate the values); False: price as given."""
 
     needs_hidden = True
     needs_tree_costs = True
 
     def __init__(self, head_dir: str, top_k: int = 4, depth: int = 8, nodes: int = 32,
-                 allow_sampling_mismatch: bool = False):
+                 allow_sampling_mismatch: bool = False, learn: bool = True):
         _check_sizes("HeadTree", top_k=top_k, depth=depth, nodes=nodes)
         self.head = HeadPolicy(head_dir, allow_sampling_mismatch)
         spec = self.head.features
@@ -52,7 +58,7 @@ class HeadTree(TreeShape):
             raise ValueError(f"head {head_dir} was trained on chain candidates (features {spec.to_dict()}); a tree needs "
                              "a sibling head reading the state before its candidates and their rank (position prev, "
                              "extra cand_rank): train one with python -m train fit --config heads/specdecpp-tree.yaml")
-        self.top_k, self.depth, self.nodes = top_k, depth, nodes
+        self.top_k, self.depth, self.nodes, self.learn = top_k, depth, nodes, learn
         self.costs: CostModel | None = None
         self.runs = np.zeros(0, dtype=np.int64)  # each row's accepted run before this round (the extra accepted_run)
         self.b = 1
@@ -62,24 +68,39 @@ class HeadTree(TreeShape):
         # ms a draft level costs beyond its forward (the level's host work: drawing, the head, masks) and a round's
         # fixed host work (the walk, bookkeeping), learnt from the rounds' host time (tree_timed)
         self.level_ms, self.round_ms, self._levels = 0.0, 0.0, 0
+        # what the rounds teach beyond the tables, which are measured once on a machine whose speed drifts: the
+        # measured over the tabled ms of the draft's and the target's forwards (decayed sums, [measured, tabled]),
+        # and at each depth the tokens that arrived over those the kept nodes' values promised
+        self.forwards = {"draft": np.ones(2), "verify": np.ones(2)}
+        self.promised, self.arrived = np.zeros(depth + 2), np.zeros(depth + 2)
+        self._tabled = {"draft": 0.0, "verify": 0.0}  # this round's tabled forwards (the widest row's)
+        self._mass: list[np.ndarray] = []  # each row's kept value by depth this round, in row order
+        self._priced: dict | None = None  # this round's scaled tables and calibration, computed once a round
 
     def set_tree_costs(self, costs: CostModel) -> None:
         """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.tree_costs)."""
-        self.costs, self._tables = costs, {}
+        self.costs, self._tables, self._priced = costs, {}, None
 
     def start(self, n):
         self.runs = np.zeros(n, dtype=np.int64)
 
     def begin(self, b, remaining=None):
-        self.b = b
+        self.b, self._priced = b, None
         return self.depth
 
     def select(self, stay):
         self.runs = self.runs[stay]
 
     def tree_verified(self, accepted, whole):
-        """A rejection ends a row's run; a path accepted to a leaf extends it by its nodes and the bonus token."""
+        """A rejection ends a row's run; a path accepted to a leaf extends it by its nodes and the bonus token. Each
+        depth's calibration learns whether the paths reached it as often as the kept values promised."""
         self.runs = np.where(whole, self.runs + np.asarray(accepted) + 1, 0)
+        if self.learn and self._mass and len(self._mass) == len(accepted):
+            depth = np.arange(len(self.promised))
+            reached = (depth[None, :] >= 1) & (depth[None, :] <= np.asarray(accepted)[:, None])
+            self.promised = DECAY * self.promised + np.sum(self._mass, axis=0)
+            self.arrived = DECAY * self.arrived + reached.sum(0)
+        self._mass = []
 
     def weigh(self, level: int, nodes: NodeBatch) -> list[list[float]]:
         """Each child's chance to be the accepted one given its parent is, a_j * prod_{i<j} (1 - a_i), from one head
@@ -131,43 +152,73 @@ class HeadTree(TreeShape):
             return [self.top_k if i in best else 0 for i in frontier]
         # row w: the tree's values and those of the w best frontier nodes' children, valued by the ranks' running
         # means, best first; each row's best rate at once
-        guess = np.outer([tree.value[i] for i in best], self.rank_mean).ravel()
+        price = self.priced()
+        c = price["calibration"]
+        guess = np.outer([tree.value[i] * c[tree.depth[i] + 1] for i in best], self.rank_mean).ravel()
         w = np.arange(len(best) + 1)
-        values = np.concatenate([np.broadcast_to(np.asarray(tree.value[1:]), (len(w), len(tree.value) - 1)),
+        value = np.asarray(tree.value[1:]) * c[np.asarray(tree.depth[1:])]
+        values = np.concatenate([np.broadcast_to(value, (len(w), len(value))),
                                  np.where(np.arange(len(guess)) < w[:, None] * self.top_k, guess, 0.0)], 1)
         values = -np.sort(-values, 1)[:, : self.nodes]
         tokens = 1.0 + np.concatenate([np.zeros((len(w), 1)), np.cumsum(values, 1)], 1)
-        spent = self._draft_ms(tree) + np.where(w > 0, self._draft_table()[w], 0.0)
-        rates = tokens / (spent[:, None] + self._verify_table()[None, : tokens.shape[1]])
+        spent = self._draft_ms(tree) + np.where(w > 0, price["level"][w], 0.0)
+        rates = tokens / (spent[:, None] + price["verify"][None, : tokens.shape[1]])
         expand = set(best[: int(np.argmax(rates.max(1)))])  # ties: the fewer nodes
         return [self.top_k if i in expand else 0 for i in frontier]
 
     def keep(self, tree, most):
-        order = best_order(tree.value, tree.parent, tree.rank, min(most, self.nodes))
         if self.costs is None:
-            return sorted(order)
-        spent = self._draft_ms(tree)
-        n = self._best_rate(np.asarray([tree.value[i] for i in order]), spent)[1]
+            return best_first(tree.value, tree.parent, tree.rank, min(most, self.nodes))
+        value = (np.asarray(tree.value) * self.priced()["calibration"][np.asarray(tree.depth)]).tolist()
+        order = best_order(value, tree.parent, tree.rank, min(most, self.nodes))
+        n = self._best_rate(np.asarray([value[i] for i in order]), self._draft_ms(tree))[1]
+        kept = order[:n]
         self._levels = max(self._levels, max(tree.depth))
-        return sorted(order[:n])
+        self._mass.append(np.bincount([tree.depth[i] for i in kept], [tree.value[i] for i in kept],
+                                      minlength=len(self.promised)))
+        self._tabled["draft"] = max(self._tabled["draft"], self._draft_forwards(tree))
+        self._tabled["verify"] = max(self._tabled["verify"], self._verify_table()[n])
+        return sorted(kept)
 
-    def tree_timed(self, grow_ms, rest_ms):
+    def tree_timed(self, grow_ms, rest_ms, draft_ms=None, verify_ms=None):
         """The host work of growing the tree, spread over its draft levels (the root's included), is what a level
-        costs beyond the draft's forward; the rest is a round's fixed cost."""
+        costs beyond the draft's forward; the rest is a round's fixed cost. The forwards' ms, set beside what the
+        tables said of this round's, scale the tables."""
         self.level_ms = 0.9 * self.level_ms + 0.1 * grow_ms / (self._levels + 1)
         self.round_ms = 0.9 * self.round_ms + 0.1 * rest_ms
-        self._levels = 0
+        for model, ms in (("draft", draft_ms), ("verify", verify_ms)):
+            if self.learn and ms is not None and self._tabled[model] > 0:
+                self.forwards[model] = DECAY * self.forwards[model] + np.array([ms, self._tabled[model]])
+        self._levels, self._tabled, self._priced = 0, {"draft": 0.0, "verify": 0.0}, None
+
+    def priced(self) -> dict:
+        """This round's prices, computed once a round: "calibration" (depth + 2,) what a node's value is multiplied by
+        at each depth (the tokens that arrived there over those promised, in [0.25, 1.5]: a head trained on other
+        text, or optimistic deep in a tree, is corrected by this run's rounds), "draft" the scale of the draft's
+        tabled forwards (measured over tabled, in [0.25, 4]), "verify" (nodes + 1,) and "level" (top_k + 1,) the
+        scaled ms of a verify by node count and of a draft level by width, its host work included ([0]: that work
+        alone, which the root's level pays too)."""
+        if self._priced is None:
+            (dm, dt), (vm, vt) = self.forwards["draft"], self.forwards["verify"]
+            draft = float(np.clip(dm / dt, 0.25, 4.0))
+            # a depth the trees stopped reaching decays to no evidence, so back to 1: it is tried again
+            calibration = (self.arrived + PRIOR) / (self.promised + PRIOR)
+            self._priced = {"calibration": np.clip(calibration, 0.25, 1.5), "draft": draft,
+                            "verify": self._verify_table() * float(np.clip(vm / vt, 0.25, 4.0)),
+                            "level": self._draft_table() * draft + self.level_ms}
+        return self._priced
 
     def _best_rate(self, values: np.ndarray, spent: float) -> tuple[float, int]:
         """Node values, best first, and the draft's ms -> the most expected tokens per ms of verifying a prefix of
         them (up to `nodes`), and that prefix's length (0: the root alone)."""
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(values[: self.nodes])])
-        rates = tokens / (spent + self._verify_table()[: len(tokens)])
+        rates = tokens / (spent + self.priced()["verify"][: len(tokens)])
         n = int(np.argmax(rates))
         return float(rates[n]), n
 
     def _verify_table(self) -> np.ndarray:
-        """(nodes + 1,) ms of the target scoring the root and n nodes in every row of the batch (rows priced alike)."""
+        """(nodes + 1,) tabled ms of the target scoring the root and n nodes in every row of the batch (rows priced
+        alike)."""
         key = ("verify", self.b)
         if key not in self._tables:
             self._tables[key] = monotone([self.costs.call_ms("target", self.b * (n + 1), switched=True)
@@ -175,22 +226,27 @@ class HeadTree(TreeShape):
         return self._tables[key]
 
     def _draft_table(self) -> np.ndarray:
-        """(top_k + 1,) ms of a draft level over w expanded nodes in every row, its host work included ([0]: that
-        work alone, which the root's level pays too)."""
+        """(top_k + 1,) tabled ms of a draft forward over w expanded nodes in every row ([0]: none)."""
         key = ("draft", self.b)
         if key not in self._tables:
             width = max(self.top_k, 5)  # widths past top_k too, so the median filter sees both sides of top_k
             self._tables[key] = np.concatenate([[0.0], monotone([self.costs.call_ms("draft", self.b * w)
                                                                  for w in range(1, width + 1)])[: self.top_k]])
-        return self._tables[key] + self.level_ms
+        return self._tables[key]
 
-    def _draft_ms(self, tree) -> float:
-        """The draft's forwards this round so far: the root's, then one a level over the nodes that were expanded."""
+    def _draft_forwards(self, tree) -> float:
+        """Tabled ms of the draft's forwards this round so far: the root's, then one a level over the nodes that were
+        expanded."""
         widths: dict[int, int] = {}
         for i in set(tree.parent[1:]) - {0}:
             widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
         table = self._draft_table()
-        return self.round_ms + table[0] + self.costs.call_ms("draft", self.b * 2) + sum(table[w] for w in widths.values())
+        return self.costs.call_ms("draft", self.b * 2) + sum(table[w] for w in widths.values())
+
+    def _draft_ms(self, tree) -> float:
+        """The round's ms before the verify, as priced: its fixed host work, each level's, and the draft's forwards."""
+        levels = len(set(tree.depth[i] for i in set(tree.parent[1:]) - {0}))
+        return self.round_ms + self.level_ms * (1 + levels) + self.priced()["draft"] * self._draft_forwards(tree)
 
 
 def monotone(ms: list[float], window: int = 5) -> np.ndarray:

@@ -325,12 +325,14 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
     t_grow, t_drafting = now(), stats.t_draft
     trees = grow(shape, draft, rows, text, streams, limits, s, stats, now)
-    grow_host = now() - t_grow - (stats.t_draft - t_drafting)
+    t_grown = stats.t_draft
+    grow_host = now() - t_grow - (t_grown - t_drafting)
     trees = [t.subtree(shape.keep(t, fit)) for t in trees]
     roots = [len(text.committed[r]) for r in rows]
     t0, width = now(), target.width
     logits = score(target, trees, roots, first)
-    stats.t_target, stats.target_calls = stats.t_target + now() - t0, stats.target_calls + 1
+    t_verify = now() - t0
+    stats.t_target, stats.target_calls = stats.t_target + t_verify, stats.target_calls + 1
     t0, off = now(), int(first is None)
     verdicts = walk(trees, logits, s, streams)
     done, t_cols, d_cols = [], [], []
@@ -348,5 +350,9 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     shape.tree_verified([len(v[0]) for v in verdicts],
                         [not t.children().get(v[0][-1] if v[0] else 0) for t, v in zip(trees, verdicts)])
     stats.t_rule += now() - t0
-    shape.tree_timed(1e3 * grow_host, 1e3 * (now() - t_round - (stats.t_draft + stats.t_target - t_models) - grow_host))
+    # the round's forwards, beside what the shape's tables said of them (not the first round's: its draft reads the
+    # prompt)
+    steady = first is None
+    shape.tree_timed(1e3 * grow_host, 1e3 * (now() - t_round - (stats.t_draft + stats.t_target - t_models) - grow_host),
+                     1e3 * (t_grown - t_drafting) if steady else None, 1e3 * t_verify if steady else None)
     return done

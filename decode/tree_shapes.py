@@ -50,9 +50,11 @@ class TreeShape(BatchControl):
     def tree_verified(self, accepted: list[int], whole: list[bool]) -> None:
         """Each row's accepted path length, and whether the path ended at a leaf (no rejection ended it)."""
 
-    def tree_timed(self, grow_ms: float, rest_ms: float) -> None:
+    def tree_timed(self, grow_ms: float, rest_ms: float, draft_ms: float | None = None,
+                   verify_ms: float | None = None) -> None:
         """The ms the round spent outside the models' forwards: growing the tree (drawing, weighing, the levels'
-        masks) and the rest (the target's masks, the walk, the caches' bookkeeping)."""
+        masks) and the rest (the target's masks, the walk, the caches' bookkeeping); and in its draft forwards and
+        its verify (None in a round that read a prompt too)."""
 
 
 @dataclass

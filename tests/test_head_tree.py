@@ -1,7 +1,7 @@
 """The head tree (decode.head_tree.HeadTree): greedy output equals the target alone for every full-attention family in
 float32 and bfloat16 at batch 1 and 8; sampled head trees keep the target's law; a chain head is refused in one line;
 the measured costs size the tree (a flat verify grows it, a steep one keeps it small); the head's values are the
-chances a child is the accepted one."""
+chances a child is the accepted one; the rounds' forwards and accepted paths correct the tables and the values."""
 
 import dataclasses
 
@@ -86,7 +86,8 @@ def test_the_measured_costs_size_the_tree(tiny_pair, tmp_path):
     head = sibling_head(tmp_path, pair, bias=1.0)
     nodes = {}
     for per_node in (0.0, 10.0):
-        dec = BatchDecoder(pair, priced(head, per_node=per_node, top_k=3, depth=6, nodes=20), GreedyMatch())
+        shape = priced(head, per_node=per_node, top_k=3, depth=6, nodes=20, learn=False)  # the tables as given
+        dec = BatchDecoder(pair, shape, GreedyMatch())
         dec.generate(ragged(pair, 4), 24)
         nodes[per_node] = dec.stats.drafted / dec.stats.rounds
     assert nodes[0.0] > 15 and nodes[10.0] < 3, nodes
@@ -122,3 +123,28 @@ def test_a_lone_spike_in_a_cost_table_does_not_price_the_larger_sizes():
     assert np.allclose(monotone(line), line)
     first = [44.0] + line[1:]  # a spike at the one-token verify
     assert monotone(first)[-1] == line[-1] and monotone(first)[0] == np.median(first[:5])  # 11.5, not 44
+
+
+def test_the_rounds_correct_the_tables_and_the_heads_values(tiny_pair, tmp_path):
+    """Verifies that run twice the tabled ms scale the verify table by 2; paths that never reach depth 1 though the
+    values promised them shrink that depth's calibration and the kept tree; with learn=False nothing moves."""
+    from decode.tree import RowTree
+
+    head = sibling_head(tmp_path, tiny_pair.with_sampling(temperature=0.0), bias=1.0)
+    chain = RowTree([1])
+    for d in range(4):
+        chain.add(d, 2 + d, 0, 0.9)
+    shapes = {learn: priced(head, per_node=4.0, learn=learn) for learn in (True, False)}
+    for learn, shape in shapes.items():
+        shape.start(1)
+        first = shape.keep(chain, 32)
+        table, smallest = shape.priced()["verify"].copy(), len(first)
+        for _ in range(40):
+            kept = shape.keep(chain, 32)
+            smallest = min(smallest, len(kept))
+            shape.tree_verified([0], [False])
+            shape.tree_timed(0.0, 0.0, draft_ms=shape._draft_forwards(chain), verify_ms=2 * shape._verify_table()[len(kept)])
+        assert np.allclose(shape.priced()["verify"], 2 * table if learn else table, rtol=0.02)
+        assert np.isclose(shape.priced()["draft"], 1.0)
+        c = shape.priced()["calibration"]
+        assert (c[1] < 0.5 and smallest < len(first)) if learn else (np.all(c == 1) and smallest == len(first)), c
