@@ -94,12 +94,15 @@ class HeadTree(TreeShape):
     def tree_verified(self, accepted, whole):
         """A rejection ends a row's run; a path accepted to a leaf extends it by its nodes and the bonus token. Each
         depth's calibration learns whether the paths reached it as often as the kept values promised."""
-        self.runs = np.where(whole, self.runs + np.asarray(accepted) + 1, 0)
+        accepted = np.asarray(accepted)
+        self.runs = np.where(whole, self.runs + accepted + 1, 0)
         if self.learn and self._mass and len(self._mass) == len(accepted):
-            depth = np.arange(len(self.promised))
-            reached = (depth[None, :] >= 1) & (depth[None, :] <= np.asarray(accepted)[:, None])
-            self.promised = DECAY * self.promised + np.sum(self._mass, axis=0)
-            self.arrived = DECAY * self.arrived + reached.sum(0)
+            # rows whose path reached each depth: the count of paths at least that long
+            reached = np.bincount(np.minimum(accepted, len(self.arrived) - 1), minlength=len(self.arrived))
+            reached = reached[::-1].cumsum()[::-1]
+            reached[0] = 0
+            self.promised = DECAY * self.promised + (self._mass[0] if len(self._mass) == 1 else sum(self._mass))
+            self.arrived = DECAY * self.arrived + reached
         self._mass = []
 
     def weigh(self, level: int, nodes: NodeBatch) -> list[list[float]]:
@@ -154,16 +157,10 @@ class HeadTree(TreeShape):
         # means, best first; each row's best rate at once
         price = self.priced()
         c = price["calibration"]
-        guess = np.outer([tree.value[i] * c[tree.depth[i] + 1] for i in best], self.rank_mean).ravel()
-        w = np.arange(len(best) + 1)
+        guess = np.outer([tree.value[i] * c[tree.depth[i] + 1] for i in best], self.rank_mean)
         value = np.asarray(tree.value[1:]) * c[np.asarray(tree.depth[1:])]
-        values = np.concatenate([np.broadcast_to(value, (len(w), len(value))),
-                                 np.where(np.arange(len(guess)) < w[:, None] * self.top_k, guess, 0.0)], 1)
-        values = -np.sort(-values, 1)[:, : self.nodes]
-        tokens = 1.0 + np.concatenate([np.zeros((len(w), 1)), np.cumsum(values, 1)], 1)
-        spent = self._draft_ms(tree) + np.where(w > 0, price["level"][w], 0.0)
-        rates = tokens / (spent[:, None] + price["verify"][None, : tokens.shape[1]])
-        expand = set(best[: int(np.argmax(rates.max(1)))])  # ties: the fewer nodes
+        width = tree_kernels.best_width if kernels.HAVE_NUMBA else best_width
+        expand = set(best[: width(value, guess, self._draft_ms(tree), price["level"], price["verify"], self.nodes)])
         return [self.top_k if i in expand else 0 for i in frontier]
 
     def keep(self, tree, most):
@@ -247,6 +244,22 @@ class HeadTree(TreeShape):
         """The round's ms before the verify, as priced: its fixed host work, each level's, and the draft's forwards."""
         levels = len(set(tree.depth[i] for i in set(tree.parent[1:]) - {0}))
         return self.round_ms + self.level_ms * (1 + levels) + self.priced()["draft"] * self._draft_forwards(tree)
+
+
+def best_width(existing: np.ndarray, guess: np.ndarray, spent: float, level: np.ndarray, verify: np.ndarray,
+               nodes: int) -> int:
+    """(n,) the tree's node values, (W, k) the guessed values of the children of its W best frontier nodes, the
+    round's ms so far, (k + 1,) a level's ms by width and (nodes + 1,) a verify's by node count -> the w in 0..W whose
+    tree (the nodes and the first w frontier nodes' children) has the best rate over its best-first prefixes (ties:
+    the fewer). heads.tree_kernels.best_width is its compiled twin."""
+    w = np.arange(len(guess) + 1)
+    flat = guess.ravel()
+    values = np.concatenate([np.broadcast_to(existing, (len(w), len(existing))),
+                             np.where(np.arange(len(flat)) < w[:, None] * guess.shape[1], flat, 0.0)], 1)
+    values = -np.sort(-values, 1)[:, :nodes]
+    tokens = 1.0 + np.concatenate([np.zeros((len(w), 1)), np.cumsum(values, 1)], 1)
+    cost = spent + np.where(w > 0, level[w], 0.0)
+    return int(np.argmax((tokens / (cost[:, None] + verify[None, : tokens.shape[1]])).max(1)))
 
 
 def monotone(ms: list[float], window: int = 5) -> np.ndarray:

@@ -87,7 +87,13 @@ class RowCache:
         ids = self._padded(chunks, m)
         pos = self.length[:, None] + torch.arange(m)[None, :]
         new = torch.arange(m)[None, :] < sizes[:, None]
-        logits, state = self._forward(ids, self._capped(pos), torch.cat([self.valid, torch.ones_like(new)], 1))
+        if self.holes:  # full attention: the 4-D mask itself, kept text and the chunk causally (transformers builds
+            # one from a 2-D mask on every forward, a sixth of a draft step's time here); a window needs that build
+            among = torch.ones(m, m, dtype=torch.bool).tril_().expand(len(chunks), m, m)
+            mask = self._float_mask(torch.cat([self.valid[:, None, :].expand(-1, m, -1), among], 2))
+        else:
+            mask = torch.cat([self.valid, torch.ones_like(new)], 1)
+        logits, state = self._forward(ids, self._capped(pos), mask)
         self.valid, self.length = torch.cat([self.valid, new], 1), self.length + sizes
         if trim and bool((sizes < m).any()):
             self.settle()
@@ -102,11 +108,16 @@ class RowCache:
         kept text (a round's root); the rest are tree nodes until commit_columns keeps their accepted path."""
         m = max(len(c) for c in chunks)
         ids = self._padded(chunks, m)
-        allowed = torch.cat([self.valid[:, None, :] | extra, among], 2)[:, None]  # (B, 1, m, width + m)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        logits, state = self._forward(ids, self._capped(pos), mask)
+        logits, state = self._forward(ids, self._capped(pos),
+                                      self._float_mask(torch.cat([self.valid[:, None, :] | extra, among], 2)))
         self.valid, self.length = torch.cat([self.valid, kept], 1), self.length + kept.sum(1)
         return logits, state
+
+    def _float_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(B, m, width + m) which columns each new token reads -> the (B, 1, m, width + m) additive mask a model
+        takes as is (0 where allowed, the dtype's lowest elsewhere)."""
+        low = torch.finfo(self.dtype).min
+        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, low)[:, None]
 
     def commit_columns(self, cols: list[list[int]]) -> None:
         """Row b's tree columns cols[b] (its accepted path, in order, after every column it keeps) become kept text;

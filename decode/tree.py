@@ -149,8 +149,14 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
     at = [(b, j) for b, c in enumerate(counts) for j, m in enumerate(c) if m]
     if not at:
         return new
-    idx = torch.tensor(at, device=raw.device)
-    logits = raw[idx[:, 0], idx[:, 1]]  # (N, V) the expanded nodes' logits
+    if raw.device.type == "cpu":  # one numpy gather: a tensor op on a few rows costs its dispatch, several here
+        rows, cols = np.asarray(at).T
+        logits = torch.from_numpy(as_numpy(raw)[rows, cols])  # (N, V) the expanded nodes' logits
+        hidden = None if state is None else torch.from_numpy(as_numpy(state)[rows, cols])
+    else:
+        idx = torch.tensor(at, device=raw.device)
+        logits = raw[idx[:, 0], idx[:, 1]]
+        hidden = None if state is None else state[idx[:, 0].to(state.device), idx[:, 1].to(state.device)]
     m_of = [counts[b][j] for b, j in at]
     raw = None
     if greedy and kernels.HAVE_NUMBA and logits.device.type == "cpu":  # one compiled pass over each node's logits
@@ -171,7 +177,6 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
         probs = [[float(law[n, t]) for t in got] for n, got in enumerate(toks)]
         for n, (b, j) in enumerate(at):
             trees[b].q[frontier[b][j]] = q[n]
-    hidden = None if state is None else state[idx[:, 0].to(state.device), idx[:, 1].to(state.device)]
     nodes = NodeBatch([b for b, _ in at], [trees[b].depth[frontier[b][j]] for b, j in at], logits, hidden, toks, probs)
     if raw is not None:
         nodes.softmax = raw  # computed once

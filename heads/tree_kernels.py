@@ -8,6 +8,7 @@ the sibling head's array path). These do each in one call:
     head_children(logits, tokens, hidden, runs, codes, params)   a sibling head over a level's children
     draws_without_replacement(q, counts, u)   a sampled level's children, token for token as decode.tree draws them
     sibling_tests(p, q, x)                    recursive rejection's tests at a tree's nodes (decode.labels.sibling_tests)
+    best_width(existing, guess, spent, ...)   how many frontier nodes a head tree's level expands
 Callers keep the tensor paths for a GPU, many nodes and machines without numba (heads.kernels.HAVE_NUMBA False);
 tests hold each kernel to its twin.
 """
@@ -130,11 +131,27 @@ def _sibling_tests(p, q, x, alpha, left):
             left[n, i] = r[i]
 
 
+def _best_width(existing, guess, spent, level, verify, nodes):
+    """decode.head_tree.best_width's loop: each width's values sorted, their prefix sums and rates, in one call."""
+    best_rate, best_w = -1.0, 0
+    for w in range(guess.shape[0] + 1):
+        vals = -np.sort(-np.concatenate((existing, guess[:w].ravel())))
+        cost = spent + (level[w] if w > 0 else 0.0)
+        tokens, rate = 1.0, 1.0 / (cost + verify[0])
+        for j in range(min(len(vals), nodes)):
+            tokens += vals[j]
+            rate = max(rate, tokens / (cost + verify[j + 1]))
+        if rate > best_rate:  # ties: the fewer nodes
+            best_rate, best_w = rate, w
+    return best_w
+
+
 _top_children_k = _jit(_top_children)
 _head_children_k = _jit(_head_children)
 _sibling_tests_k = _jit(_sibling_tests)
 # no fast-math: the running sums must add in order, as torch's cumsum does, for the same token on the same uniform
 _draws_k = numba.njit(cache=True, nogil=True)(_draws_without_replacement) if HAVE_NUMBA else None
+_best_width_k = numba.njit(cache=True, nogil=True)(_best_width) if HAVE_NUMBA else None  # the twin's sums, in order
 
 
 def top_children(logits: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -170,3 +187,9 @@ def sibling_tests(p: np.ndarray, q: np.ndarray, x: np.ndarray) -> tuple[np.ndarr
     alpha, left = np.empty(x.shape), np.empty(p.shape, dtype=np.float32)
     _sibling_tests_k(p, q, x, alpha, left)
     return alpha, left
+
+
+def best_width(existing: np.ndarray, guess: np.ndarray, spent: float, level: np.ndarray, verify: np.ndarray,
+               nodes: int) -> int:
+    """decode.head_tree.best_width compiled: how many of a level's best frontier nodes to expand."""
+    return int(_best_width_k(existing, guess, float(spent), level, verify, nodes))
