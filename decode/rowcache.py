@@ -30,6 +30,7 @@ from decode.pair import Pair, input_device
 
 ROOM = 64  # columns of spare room a moved buffer keeps, so the next rounds append in place
 SLACK = 0.25  # holes may make the cache this much wider than its longest row before compact() packs it
+SHORT = 64  # feed() builds its own 4-D mask for chunks up to this many tokens (a round's, not a prompt's)
 WINDOW_FIELDS = ("sliding_window", "window_size", "attention_window")  # config fields that name an attention window
 LIMIT_FIELDS = ("max_position_embeddings", "n_positions")  # config fields that bound positions
 
@@ -87,8 +88,9 @@ class RowCache:
         ids = self._padded(chunks, m)
         pos = self.length[:, None] + torch.arange(m)[None, :]
         new = torch.arange(m)[None, :] < sizes[:, None]
-        if self.holes:  # full attention: the 4-D mask itself, kept text and the chunk causally (transformers builds
-            # one from a 2-D mask on every forward, a sixth of a draft step's time here); a window needs that build
+        if self.holes and m <= SHORT:  # full attention: the 4-D mask itself, kept text and the chunk causally
+            # (transformers builds one from a 2-D mask on every forward, a sixth of a draft step's time here); a window
+            # needs that build, and a long chunk (a prompt) its boolean mask, a quarter of this float one's bytes
             among = torch.ones(m, m, dtype=torch.bool).tril_().expand(len(chunks), m, m)
             mask = self._float_mask(torch.cat([self.valid[:, None, :].expand(-1, m, -1), among], 2))
         else:

@@ -152,7 +152,7 @@ def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, s
     if raw.device.type == "cpu":  # one numpy gather: a tensor op on a few rows costs its dispatch, several here
         rows, cols = np.asarray(at).T
         logits = torch.from_numpy(as_numpy(raw)[rows, cols])  # (N, V) the expanded nodes' logits
-        hidden = None if state is None else torch.from_numpy(as_numpy(state)[rows, cols])
+        hidden = None if state is None else torch.from_numpy(as_numpy(state)[rows, cols]).to(state.dtype)
     else:
         idx = torch.tensor(at, device=raw.device)
         logits = raw[idx[:, 0], idx[:, 1]]
@@ -325,6 +325,7 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     """One tree round for every row (decode.batch.BatchDecoder): grow, score, walk, keep -> the batch positions of
     rows done. Where a model bounds the cache's width, its rows pack first and a row verifies at most what fits."""
     t_round, t_models = now(), stats.t_draft + stats.t_target
+    shape.begin(len(rows), limits)  # a shape that prices its tree prices this many rows' forwards
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
     draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)

@@ -137,10 +137,10 @@ def _best_width(existing, guess, spent, level, verify, nodes):
     for w in range(guess.shape[0] + 1):
         vals = -np.sort(-np.concatenate((existing, guess[:w].ravel())))
         cost = spent + (level[w] if w > 0 else 0.0)
-        tokens, rate = 1.0, 1.0 / (cost + verify[0])
+        total, rate = 0.0, 1.0 / (cost + verify[0])
         for j in range(min(len(vals), nodes)):
-            tokens += vals[j]
-            rate = max(rate, tokens / (cost + verify[j + 1]))
+            total += vals[j]  # 1 + the running sum, as the twin's 1 + cumsum: the same floats, the same ties
+            rate = max(rate, (1.0 + total) / (cost + verify[j + 1]))
         if rate > best_rate:  # ties: the fewer nodes
             best_rate, best_w = rate, w
     return best_w
@@ -151,7 +151,7 @@ _head_children_k = _jit(_head_children)
 _sibling_tests_k = _jit(_sibling_tests)
 # no fast-math: the running sums must add in order, as torch's cumsum does, for the same token on the same uniform
 _draws_k = numba.njit(cache=True, nogil=True)(_draws_without_replacement) if HAVE_NUMBA else None
-_best_width_k = numba.njit(cache=True, nogil=True)(_best_width) if HAVE_NUMBA else None  # the twin's sums, in order
+_best_width_k = numba.njit(cache=True, nogil=True)(_best_width) if HAVE_NUMBA else None  # no fast-math: exact ties
 
 
 def top_children(logits: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -90,6 +90,7 @@ def test_the_measured_costs_size_the_tree(tiny_pair, tmp_path):
         dec = BatchDecoder(pair, shape, GreedyMatch())
         dec.generate(ragged(pair, 4), 24)
         nodes[per_node] = dec.stats.drafted / dec.stats.rounds
+        assert ("verify", 4) in shape._tables  # the first rounds priced four rows' forwards, not one's
     assert nodes[0.0] > 15 and nodes[10.0] < 3, nodes
 
 

@@ -299,3 +299,7 @@ def test_a_head_trees_compiled_width_is_its_numpy_twins():
         assert tree_kernels.best_width(existing, guess, spent, level, verify, nodes) == want
         chosen.add(want)
     assert chosen == {0, 1, 2, 3, 4}, chosen
+    # an exact tie, where summing in another order than 1 + cumsum chose the wider level
+    tie = (np.array([0.2, 0.6]), np.array([[0.6, 0.2]]), 1.0, np.array([0.0, 1.0, 2.0]),
+           np.array([1.0, 2, 2, 2] + [3.0] * 6), 9)
+    assert tree_kernels.best_width(*tie) == best_width(*tie) == 0
