@@ -181,6 +181,8 @@ class CostModel:
         if n <= len(steps):
             return steps[n - 1]
         lengths, ms = self.prefill[model]
+        if n > lengths[-1]:  # past the longest measured, in proportion: np.interp would price every longer forward
+            return ms[-1] * n / lengths[-1]  # alike (a tree over 8 rows, 264 tokens, at a 64-token prompt's ms)
         return float(np.interp(n, lengths, ms))
 
     def predict_s(self, calls: list[tuple[str, int]]) -> float:

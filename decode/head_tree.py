@@ -71,7 +71,7 @@ class HeadTree(TreeShape):
         # what the rounds teach beyond the tables, which are measured once on a machine whose speed drifts: the
         # measured over the tabled ms of the draft's and the target's forwards (decayed sums, [measured, tabled]),
         # and at each depth the tokens that arrived over those the kept nodes' values promised
-        self.forwards = {"draft": np.ones(2), "verify": np.ones(2)}
+        self.forwards: dict[tuple[str, int], np.ndarray] = {}  # (model, batch size) -> [measured, tabled]
         self.promised, self.arrived = np.zeros(depth + 2), np.zeros(depth + 2)
         self._tabled = {"draft": 0.0, "verify": 0.0}  # this round's tabled forwards (the widest row's)
         self._mass: list[np.ndarray] = []  # each row's kept value by depth this round, in row order
@@ -185,7 +185,8 @@ class HeadTree(TreeShape):
         self.round_ms = 0.9 * self.round_ms + 0.1 * rest_ms
         for model, ms in (("draft", draft_ms), ("verify", verify_ms)):
             if self.learn and ms is not None and self._tabled[model] > 0:
-                self.forwards[model] = DECAY * self.forwards[model] + np.array([ms, self._tabled[model]])
+                key = (model, self.b)  # by batch size: a table's error at 8 rows is not its error at 1
+                self.forwards[key] = DECAY * self.forwards.get(key, np.ones(2)) + np.array([ms, self._tabled[model]])
         self._levels, self._tabled, self._priced = 0, {"draft": 0.0, "verify": 0.0}, None
 
     def priced(self) -> dict:
@@ -196,7 +197,7 @@ class HeadTree(TreeShape):
         scaled ms of a verify by node count and of a draft level by width, its host work included ([0]: that work
         alone, which the root's level pays too)."""
         if self._priced is None:
-            (dm, dt), (vm, vt) = self.forwards["draft"], self.forwards["verify"]
+            (dm, dt), (vm, vt) = (self.forwards.get((m, self.b), np.ones(2)) for m in ("draft", "verify"))
             draft = float(np.clip(dm / dt, 0.25, 4.0))
             # a depth the trees stopped reaching decays to no evidence, so back to 1: it is tried again
             calibration = (self.arrived + PRIOR) / (self.promised + PRIOR)

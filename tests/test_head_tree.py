@@ -149,3 +149,13 @@ def test_the_rounds_correct_the_tables_and_the_heads_values(tiny_pair, tmp_path)
         assert np.isclose(shape.priced()["draft"], 1.0)
         c = shape.priced()["calibration"]
         assert (c[1] < 0.5 and smallest < len(first)) if learn else (np.all(c == 1) and smallest == len(first)), c
+
+
+def test_a_batchs_tree_is_priced_past_the_measured_sizes():
+    """Eight rows' tree of 32 nodes is a 264-token verify, past every measured size: priced in proportion to the
+    longest measured forward, not at its ms (which made eight rows' trees look free and grow to their budget)."""
+    prefill = {"draft": ([8, 64], [2.0, 4.0]), "target": ([8, 64], [12.0, 40.0])}
+    model = CostModel(step={"draft": [1.0] * 16, "target": [10.0] * 33}, prefill=prefill)
+    assert model.call_ms("target", 33) == 10.0 and model.call_ms("target", 64) == 40.0
+    assert np.isclose(model.call_ms("target", 264), 40.0 * 264 / 64)
+    assert np.isclose(model.call_ms("draft", 128), 8.0)
