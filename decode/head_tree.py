@@ -14,8 +14,8 @@ Like decode.batch_control.BatchCostAware, a HeadTree is a batch-level control th
 tree depends on the batch size (a verify prices every row's nodes) and on what earlier rounds taught it (each rank's
 share, the host work a level and a round cost, learnt from the wall clock; the forwards' measured ms over the tables',
 which are measured once on a machine whose speed drifts; at each depth, the tokens that arrived over those the values
-promised, since a head is optimistic deep in a tree or on text it was not trained on). Greedy output is the target's whatever
-the tree; under sampling the law is the target's, but a row's draws depend on the trees it got, so they differ
+promised, since a head is optimistic deep in a tree or on text it was not trained on). Greedy output is the target's
+whatever the tree; under sampling the law is the target's, but a row's draws depend on the trees it got, so they differ
 between a row alone and in a batch, and between a fresh HeadTree and one that has decoded before.
 
 The cost-aware stop, generalised to trees: a round's rate is the expected tokens over the round's ms when the target
@@ -101,7 +101,7 @@ class HeadTree(TreeShape):
             reached = np.bincount(np.minimum(accepted, len(self.arrived) - 1), minlength=len(self.arrived))
             reached = reached[::-1].cumsum()[::-1]
             reached[0] = 0
-            self.promised = DECAY * self.promised + (self._mass[0] if len(self._mass) == 1 else sum(self._mass))
+            self.promised = DECAY * self.promised + sum(self._mass)
             self.arrived = DECAY * self.arrived + reached
         self._mass = []
 
@@ -232,19 +232,26 @@ class HeadTree(TreeShape):
                                                                  for w in range(1, width + 1)])[: self.top_k]])
         return self._tables[key]
 
-    def _draft_forwards(self, tree) -> float:
+    def _draft_forwards(self, tree, widths: dict[int, int] | None = None) -> float:
         """Tabled ms of the draft's forwards this round so far: the root's, then one a level over the nodes that were
-        expanded."""
-        widths: dict[int, int] = {}
-        for i in set(tree.parent[1:]) - {0}:
-            widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
+        expanded (widths: _widths(tree), when the caller has it)."""
         table = self._draft_table()
+        widths = _widths(tree) if widths is None else widths
         return self.costs.call_ms("draft", self.b * 2) + sum(table[w] for w in widths.values())
 
     def _draft_ms(self, tree) -> float:
         """The round's ms before the verify, as priced: its fixed host work, each level's, and the draft's forwards."""
-        levels = len(set(tree.depth[i] for i in set(tree.parent[1:]) - {0}))
-        return self.round_ms + self.level_ms * (1 + levels) + self.priced()["draft"] * self._draft_forwards(tree)
+        widths = _widths(tree)
+        forwards = self.priced()["draft"] * self._draft_forwards(tree, widths)
+        return self.round_ms + self.level_ms * (1 + len(widths)) + forwards
+
+
+def _widths(tree) -> dict[int, int]:
+    """A tree's draft levels after the root's: depth -> how many of its nodes were expanded (read by the draft)."""
+    widths: dict[int, int] = {}
+    for i in set(tree.parent[1:]) - {0}:
+        widths[tree.depth[i]] = widths.get(tree.depth[i], 0) + 1
+    return widths
 
 
 def best_width(existing: np.ndarray, guess: np.ndarray, spent: float, level: np.ndarray, verify: np.ndarray,
