@@ -130,9 +130,12 @@ class BatchDecoder:
         while rows:
             t_round = self.now()
             limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
-            round_ = tree_round if isinstance(ctl, TreeShape) else self._chain_round
+            # the control chooses how far to draft (a tree shape prices this many rows' forwards); a plain target
+            # step is a chain of no candidates, whatever the control
+            k = ctl.begin(len(rows), limits)
+            round_ = tree_round if k and isinstance(ctl, TreeShape) else self._chain_round
             done = round_(ctl, self.pair.config.sampling, self.now, draft, target, rows, text, streams, limits, first,
-                          stats)
+                          stats, k)
             first = None  # the prefill's logits serve the first round alone
             if done:
                 for i in done:
@@ -150,10 +153,10 @@ class BatchDecoder:
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
 
     def _chain_round(self, ctl: BatchControl, sampling, now, draft: RowCache, target: RowCache, rows, text: Texts,
-                     streams: Streams, limits, first, stats) -> list[int]:
-        """One round of chains (tree_round's signature): each row drafts (the control decides how far), the target
-        verifies, the caches keep the accepted text -> the batch positions of rows done."""
-        k_max = min(ctl.begin(len(rows), limits), max(limits))
+                     streams: Streams, limits, first, stats, k: int) -> list[int]:
+        """One round of chains (tree_round's signature): each row drafts up to k candidates (the control decides how
+        far), the target verifies, the caches keep the accepted text -> the batch positions of rows done."""
+        k_max = min(k, max(limits))
         if k_max:
             k_max = self._fit(draft, target, rows, text, k_max)
         tokens, q, read = self._draft(draft, rows, text, streams, limits, k_max, stats)

@@ -14,7 +14,9 @@ Like decode.batch_control.BatchCostAware, a HeadTree is a batch-level control th
 tree depends on the batch size (a verify prices every row's nodes) and on what earlier rounds taught it (each rank's
 share, the host work a level and a round cost, learnt from the wall clock; the forwards' measured ms over the tables',
 which are measured once on a machine whose speed drifts; at each depth, the tokens that arrived over those the values
-promised, since a head is optimistic deep in a tree or on text it was not trained on). Greedy output is the target's
+promised, since a head is optimistic deep in a tree or on text it was not trained on), and, as the controller does,
+whether to draft at all at each batch size (where a plain target step brings the batch on faster, it takes plain
+steps; decode.batch runs them as a chain of no candidates). Greedy output is the target's
 whatever the tree; under sampling the law is the target's, but a row's draws depend on the trees it got, so they differ
 between a row alone and in a batch, and between a fresh HeadTree and one that has decoded before.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from decode.batch_cost_aware import RECHECK_ROUNDS, optimistic
 from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
 from decode.sampling import as_numpy
@@ -65,9 +68,11 @@ class HeadTree(TreeShape):
         # running means of the chance a node's j-th child is the accepted one (what a level not yet drafted will add)
         self.rank_mean = 0.8 * 0.2 ** np.arange(top_k)
         self._tables: dict[tuple[str, int], np.ndarray] = {}  # the cost tables at a batch size
-        # ms a draft level costs beyond its forward (the level's host work: drawing, the head, masks) and a round's
-        # fixed host work (the walk, bookkeeping), learnt from the rounds' host time (tree_timed)
-        self.level_ms, self.round_ms, self._levels = 0.0, 0.0, 0
+        # by batch size, [ms a draft level costs beyond its forward (the level's host work: drawing, the head, masks),
+        # a round's fixed host work (the walk, bookkeeping)], learnt from the rounds' host time (tree_timed): both grow
+        # with the rows
+        self.host: dict[int, np.ndarray] = {}
+        self._levels = 0
         # what the rounds teach beyond the tables, which are measured once on a machine whose speed drifts: the
         # measured over the tabled ms of the draft's and the target's forwards (decayed sums, [measured, tabled]),
         # and at each depth the tokens that arrived over those the kept nodes' values promised
@@ -76,6 +81,14 @@ class HeadTree(TreeShape):
         self._tabled = {"draft": 0.0, "verify": 0.0}  # this round's tabled forwards (the widest row's)
         self._mass: list[np.ndarray] = []  # each row's kept value by depth this round, in row order
         self._priced: dict | None = None  # this round's scaled tables and calibration, computed once a round
+        # whether to draft at all, by batch size (as decode.batch_cost_aware.BatchCostAware chooses): each size's
+        # drafted rounds [rounds, progress, ms] and plain steps [rounds, ms], kept from one request to the next
+        self.sizes: dict[int, np.ndarray] = {}
+        self.declined: set[int] = set()  # sizes whose last choice was a plain step
+        self.mode: tuple[int, bool] | None = None  # (size, drafting) of this request's stretch
+        self.reach: np.ndarray | None = None  # each row's remaining budget this round
+        self._progress = 1.0  # the last round's progress (tree_verified)
+        self._fresh = True  # the request's first round is still to come
 
     def set_tree_costs(self, costs: CostModel) -> None:
         """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.tree_costs)."""
@@ -83,10 +96,49 @@ class HeadTree(TreeShape):
 
     def start(self, n):
         self.runs = np.zeros(n, dtype=np.int64)
+        self.mode, self._fresh = None, True
+
+    def verified(self, accepted, drafted):
+        if self.mode is not None and not self.mode[1]:  # a plain step (tree rounds: tree_verified)
+            self.runs += 1
+            self._progress = 1.0
+
+    def timed(self, ms):
+        """A round's whole ms (not a request's first, whose draft reads the prompts) and its progress count for its
+        batch size's choice to draft."""
+        if self.mode is not None and not self._fresh:
+            got = self.sizes.get(self.b)
+            if got is None:
+                got = self.sizes[self.b] = np.zeros(5)
+            if self.mode[1]:
+                got[:3] += (1.0, self._progress, ms)
+            else:
+                got[3:] += (1.0, ms)
+        self._fresh = False
 
     def begin(self, b, remaining=None):
         self.b, self._priced = b, None
-        return self.depth
+        self.reach = None if remaining is None else np.asarray(remaining, dtype=np.float64)
+        if self.learn and self.costs is not None:
+            self.mode = (b, self._drafts(b))
+            (self.declined.discard if self.mode[1] else self.declined.add)(b)
+        return self.depth if self.mode is None or self.mode[1] else 0
+
+    def _drafts(self, b: int) -> bool:
+        """Whether this round at batch size b drafts: a stretch (a request's rounds at one size) drafts while the
+        progress per ms its size's drafted rounds realized (raised by optimistic, as the batch controller's) beats a
+        plain step's 1 over its ms (measured; before any, the tables' target forward over b tokens and a round's
+        host work); it is chosen when the size changes and stopped after RECHECK_ROUNDS drafted rounds at a loss. A
+        plain stretch lasts until the size changes. A size with no drafted rounds drafts, unless a smaller size chose
+        not to (a tree costs more per row the more rows verify)."""
+        got = self.sizes.get(b, np.zeros(5))
+        if self.mode == (b, False):
+            return False
+        plain = got[4] / got[3] if got[3] else self.priced()["verify"][0] + self.priced()["round"]
+        if not got[0]:
+            return not any(s < b for s in self.declined)
+        pays = optimistic(got[1] / got[2], got[0]) > 1.0 / plain
+        return pays if self.mode is None or self.mode[0] != b or got[0] >= RECHECK_ROUNDS else True
 
     def select(self, stay):
         self.runs = self.runs[stay]
@@ -96,6 +148,10 @@ class HeadTree(TreeShape):
         depth's calibration learns whether the paths reached it as often as the kept values promised."""
         accepted = np.asarray(accepted)
         self.runs = np.where(whole, self.runs + accepted + 1, 0)
+        # the round's progress: how far it brought down the most tokens a row may still emit (the batch ends with
+        # its last row); without budgets, the rows' mean tokens
+        reach = self.reach if self.reach is not None and len(self.reach) == len(accepted) else None
+        self._progress = float(np.mean(accepted + 1) if reach is None else reach.max() - (reach - accepted - 1).max())
         if self.learn and self._mass and len(self._mass) == len(accepted):
             # rows whose path reached each depth: the count of paths at least that long
             reached = np.bincount(np.minimum(accepted, len(self.arrived) - 1), minlength=len(self.arrived))
@@ -181,8 +237,7 @@ class HeadTree(TreeShape):
         """The host work of growing the tree, spread over its draft levels (the root's included), is what a level
         costs beyond the draft's forward; the rest is a round's fixed cost. The forwards' ms, set beside what the
         tables said of this round's, scale the tables."""
-        self.level_ms = 0.9 * self.level_ms + 0.1 * grow_ms / (self._levels + 1)
-        self.round_ms = 0.9 * self.round_ms + 0.1 * rest_ms
+        self.host[self.b] = 0.9 * self._host() + 0.1 * np.array([grow_ms / (self._levels + 1), rest_ms])
         for model, ms in (("draft", draft_ms), ("verify", verify_ms)):
             if self.learn and ms is not None and self._tabled[model] > 0:
                 key = (model, self.b)  # by batch size: a table's error at 8 rows is not its error at 1
@@ -195,16 +250,23 @@ class HeadTree(TreeShape):
         text, or optimistic deep in a tree, is corrected by this run's rounds), "draft" the scale of the draft's
         tabled forwards (measured over tabled, in [0.25, 4]), "verify" (nodes + 1,) and "level" (top_k + 1,) the
         scaled ms of a verify by node count and of a draft level by width, its host work included ([0]: that work
-        alone, which the root's level pays too)."""
+        alone, which the root's level pays too), "round" a round's fixed host work."""
         if self._priced is None:
             (dm, dt), (vm, vt) = (self.forwards.get((m, self.b), np.ones(2)) for m in ("draft", "verify"))
             draft = float(np.clip(dm / dt, 0.25, 4.0))
             # a depth the trees stopped reaching decays to no evidence, so back to 1: it is tried again
             calibration = (self.arrived + PRIOR) / (self.promised + PRIOR)
+            level, fixed = self._host()
             self._priced = {"calibration": np.clip(calibration, 0.25, 1.5), "draft": draft,
                             "verify": self._verify_table() * float(np.clip(vm / vt, 0.25, 4.0)),
-                            "level": self._draft_table() * draft + self.level_ms}
+                            "level": self._draft_table() * draft + level, "round": fixed}
         return self._priced
+
+    def _host(self) -> np.ndarray:
+        """[level, round] host ms at this batch size: its own, else the nearest size's (by ratio), else none yet."""
+        if self.b in self.host or not self.host:
+            return self.host.get(self.b, np.zeros(2))
+        return self.host[min(self.host, key=lambda s: abs(np.log(s / self.b)))]
 
     def _best_rate(self, values: np.ndarray, spent: float) -> tuple[float, int]:
         """Node values, best first, and the draft's ms -> the most expected tokens per ms of verifying a prefix of
@@ -242,8 +304,8 @@ class HeadTree(TreeShape):
     def _draft_ms(self, tree) -> float:
         """The round's ms before the verify, as priced: its fixed host work, each level's, and the draft's forwards."""
         widths = _widths(tree)
-        forwards = self.priced()["draft"] * self._draft_forwards(tree, widths)
-        return self.round_ms + self.level_ms * (1 + len(widths)) + forwards
+        price = self.priced()
+        return price["round"] + price["level"][0] * (1 + len(widths)) + price["draft"] * self._draft_forwards(tree, widths)
 
 
 def _widths(tree) -> dict[int, int]:

@@ -104,10 +104,10 @@ def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> l
     return out
 
 
-def grow(shape: TreeShape, draft: RowCache, rows: list[int], text, streams: Streams, limits: list[int], sampling,
-         stats, now) -> list[RowTree]:
-    """Each row's tree, grown level by level from its pending token: the draft reads the row's unread text and the
-    root in one forward, then each level's expanded nodes in one forward each."""
+def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, streams: Streams, limits: list[int],
+         sampling, stats, now) -> list[RowTree]:
+    """Each row's tree, grown level by level (up to `levels`) from its pending token: the draft reads the row's unread
+    text and the root in one forward, then each level's expanded nodes in one forward each."""
     greedy = sampling.temperature == 0
     unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
     t0 = now()
@@ -120,11 +120,11 @@ def grow(shape: TreeShape, draft: RowCache, rows: list[int], text, streams: Stre
     trees = [RowTree([text.pending[r]]) for r in rows]
     frontier = [[0] for _ in rows]  # the nodes whose children this level draws, with raw[b, j] their logits
     counts = [shape.children(0, t, [0]) for t in trees]  # how many children each frontier node gets
-    for level in range(shape.depth):
+    for level in range(levels):
         t0 = now()
         new = _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams)
         stats.t_sample += now() - t0
-        if level + 1 >= shape.depth:
+        if level + 1 >= levels:
             break
         # the next level expands the new nodes the shape gives children (a row within its limit), each read by the
         # draft first
@@ -321,16 +321,16 @@ def check_tree(pair, rule) -> None:
 
 
 def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows: list[int], text, streams: Streams,
-               limits: list[int], first: torch.Tensor | None, stats) -> list[int]:
-    """One tree round for every row (decode.batch.BatchDecoder): grow, score, walk, keep -> the batch positions of
-    rows done. Where a model bounds the cache's width, its rows pack first and a row verifies at most what fits."""
+               limits: list[int], first: torch.Tensor | None, stats, levels: int) -> list[int]:
+    """One tree round for every row (decode.batch.BatchDecoder, once the shape's begin chose to draft `levels` > 0
+    levels): grow, score, walk, keep -> the batch positions of rows done. Where a model bounds the cache's width, its rows pack first and a
+    row verifies at most what fits."""
     t_round, t_models = now(), stats.t_draft + stats.t_target
-    shape.begin(len(rows), limits)  # a shape that prices its tree prices this many rows' forwards
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
     draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
     t_grow, t_drafting = now(), stats.t_draft
-    trees = grow(shape, draft, rows, text, streams, limits, s, stats, now)
+    trees = grow(shape, levels, draft, rows, text, streams, limits, s, stats, now)
     t_grown = stats.t_draft
     grow_host = now() - t_grow - (t_grown - t_drafting)
     trees = [t.subtree(shape.keep(t, fit)) for t in trees]

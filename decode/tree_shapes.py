@@ -29,6 +29,8 @@ class TreeShape(BatchControl):
     depth = 1
 
     def begin(self, b, remaining=None):
+        """A round at batch size b, each row's remaining budget -> how many levels it may draft (0: none, a plain
+        target step; the draft reads the text it skipped when a later round drafts)."""
         return self.depth
 
     def children(self, level: int, tree, frontier: list[int]) -> list[int]:

@@ -159,3 +159,49 @@ def test_a_batchs_tree_is_priced_past_the_measured_sizes():
     assert model.call_ms("target", 33) == 10.0 and model.call_ms("target", 64) == 40.0
     assert np.isclose(model.call_ms("target", 264), 40.0 * 264 / 64)
     assert np.isclose(model.call_ms("draft", 128), 8.0)
+
+
+def test_a_head_tree_takes_plain_steps_where_its_trees_do_not_pay(tiny_pair, tmp_path):
+    """At 8 rows, drafted rounds that bring the batch 1 token on in 40 ms lose to a plain step (14 ms by the tables):
+    after RECHECK_ROUNDS of them the stretch turns plain until the size changes, and the next request at 8 rows
+    starts plain. One row, whose trees bring 4 tokens in 20 ms, drafts on; learn=False always drafts."""
+    from decode.batch_cost_aware import RECHECK_ROUNDS
+
+    head = sibling_head(tmp_path, tiny_pair.with_sampling(temperature=0.0), bias=1.0)
+
+    def round_(shape, b, accepted, ms):
+        levels = shape.begin(b, [20] * b)
+        if levels:  # as tree_round reports a round, then decode.batch a plain step's or any round's wall time
+            shape.tree_verified([accepted] * b, [False] * b)
+            shape.tree_timed(0.0, 0.0, draft_ms=ms / 2, verify_ms=ms / 2)
+        else:
+            shape.verified([0] * b, [0] * b)
+        shape.timed(ms if levels else 14.0)
+        return levels
+
+    shape, fixed = priced(head), priced(head, learn=False)
+    for s in (shape, fixed):
+        s.start(8)
+        s.timed(100.0)  # a request's first round (its draft reads the prompts) counts for nothing
+        assert [round_(s, 8, 0, 40.0) > 0 for _ in range(RECHECK_ROUNDS)] == [True] * RECHECK_ROUNDS
+    assert round_(shape, 8, 0, 40.0) == 0 and round_(shape, 8, 0, 40.0) == 0  # plain until the size changes
+    assert round_(fixed, 8, 0, 40.0) > 0
+    assert all(round_(shape, 1, 3, 20.0) > 0 for _ in range(2 * RECHECK_ROUNDS))  # one row's trees pay
+    shape.start(8)
+    assert round_(shape, 8, 0, 40.0) == 0  # the next request at 8 rows starts plain
+    assert np.isclose(shape.sizes[8][4] / shape.sizes[8][3], 14.0)  # and its plain steps are measured
+    shape.start(4)
+    assert round_(shape, 4, 0, 40.0) > 0  # a size with no rounds drafts: a larger one declining says nothing of it
+
+
+def test_a_rounds_host_work_is_learnt_per_batch_size(tiny_pair, tmp_path):
+    """Host work grows with the rows: 8 rows' rounds at 50 ms of it leave one row's 2 ms as they were (one value for
+    every size carried 8 rows' host work into one row's rounds); a size not yet seen starts from the nearest size's."""
+    shape = priced(sibling_head(tmp_path, tiny_pair.with_sampling(temperature=0.0), bias=1.0))
+    for b, rest in ((1, 2.0), (8, 50.0)):
+        for _ in range(60):
+            shape.begin(b, [20] * b)
+            shape.tree_timed(0.0, rest)
+    for b, want in ((1, 2.0), (8, 50.0), (5, 50.0), (2, 2.0)):
+        shape.begin(b, [20] * b)
+        assert abs(shape.priced()["round"] - want) < 0.1, (b, shape.priced()["round"])

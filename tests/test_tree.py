@@ -1,5 +1,5 @@
 """Token trees (decode.tree, decode.tree_shapes): greedy trees emit the target's greedy text for every family at batch
-1 and 8; sampled trees keep the target's law (and a tree without the residual update, or with children drawn with
+1 and 8, plain target steps between trees included; sampled trees keep the target's law (and a tree without the residual update, or with children drawn with
 replacement, is caught); a chain-shaped tree is speculative sampling token for token; shapes are prefix-closed."""
 
 import dataclasses
@@ -21,8 +21,27 @@ from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F8
 from tests.test_batch import assert_rows_equal, ragged
 from tests.test_decode import ALPHA
 
+
+class PlainEveryOther:
+    """A tree shape (the class it is mixed into) that takes a plain target step every other round, the first
+    included: the draft reads what it skipped (the prompt, the plain steps' tokens) when it next drafts."""
+
+    def start(self, n):
+        super().start(n)
+        self.round = 0
+
+    def begin(self, b, remaining=None):
+        self.round += 1
+        return 0 if self.round % 2 else self.depth
+
+
+class EveryOther(PlainEveryOther, ConfidenceTree):
+    pass
+
+
 SHAPES = {"sequoia": lambda: StaticTree.sequoia([0.7, 0.15, 0.05], nodes=10, depth=4),
-          "confidence": lambda: ConfidenceTree(top_k=3, depth=4, nodes=10)}
+          "confidence": lambda: ConfidenceTree(top_k=3, depth=4, nodes=10),
+          "plain steps between trees": lambda: EveryOther(top_k=3, depth=4, nodes=10)}
 
 
 @pytest.mark.parametrize("family,dtype", MATRIX)
@@ -42,6 +61,22 @@ def test_greedy_trees_equal_the_target_alone_at_batch_1_and_8(arch_pairs, family
     one = SpeculativeDecoder(pair, SHAPES["confidence"](), GreedyMatch()).generate(prompts[3], 16)
     assert_rows_equal(pair, prompts[3:4], [one], BatchAutoregressive(pair).generate(prompts[3:4], 16), (family, dtype))
     assert one.stats.target_calls == one.stats.rounds == len(one.stats.accepted)  # the batch's counters, one row
+
+
+def test_after_plain_steps_the_draft_reads_what_it_skipped(arch_pairs):
+    """A draft that is its own target accepts a whole chain whenever its cache holds the text: with plain target steps
+    between chain-shaped trees (the first round plain, so the draft first reads the prompt with a committed token
+    after it), every drafted round of 8 ragged rows accepts all 3 candidates and the target's calls are the rounds."""
+    pair = no_eos(arch_pairs("llama", "float32")[1])
+    pair = dataclasses.replace(pair, target=pair.draft)
+
+    class ChainEveryOther(PlainEveryOther, StaticTree):
+        pass
+
+    dec = BatchDecoder(pair, ChainEveryOther([(0,), (0, 0), (0, 0, 0)]), GreedyMatch())
+    got = dec.generate(ragged(pair, 8), 20)
+    assert sorted(set(dec.stats.accepted)) == [0, 3] and dec.stats.discarded == 0
+    assert all(len(g.tokens) == 20 for g in got) and dec.stats.draft_calls == 3 * dec.stats.accepted.count(3) // 8
 
 
 def test_a_chain_shaped_tree_is_speculative_sampling_token_for_token(arch_pairs):
@@ -113,6 +148,7 @@ def test_sampled_trees_keep_the_targets_law(tiny_pair, setting, width):
     if width == 4:  # batches of 8, and of one row through the one-sequence decoder's entry
         assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=400, rows=8) > ALPHA
         assert tree_pvalue(pair, ConfidenceTree(top_k=4, depth=2, nodes=9), n=150, rows=1) > ALPHA
+        assert tree_pvalue(pair, EveryOther(top_k=4, depth=2, nodes=9), n=400, rows=8) > ALPHA
 
 
 def test_a_tree_without_the_residual_update_or_drawn_with_replacement_is_caught(tiny_pair, monkeypatch):

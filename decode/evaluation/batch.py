@@ -15,7 +15,8 @@ confidence per row, vLLM's batch-size table (decode.batch_control.BatchSizeK: pe
 dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the powers of
 2 up to the largest batch size; before the test batches it decodes the dev batches the table is chosen on, so that
 it, like the table, has learned on dev what drafting yields at each size), and at tree_sizes the head tree
-(decode.head_tree.HeadTree on the setting's sibling head, its cost tables measured once on a dev batch). The fixed K
+(decode.head_tree.HeadTree on the setting's sibling head, its cost tables measured once on a dev batch; it decodes
+the dev batches at tree_sizes first, learning there where its trees pay). The fixed K
 best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
 Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
 (batch_cache/), so an interrupted run resumes there.
@@ -145,6 +146,9 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
         shape = HeadTree(tree)
         shape.set_tree_costs(tree_costs(pair, calibration[0] if calibration else [[0]], nodes=shape.nodes,
                                         width=min(16, shape.nodes)))
+        for i, batch in enumerate(calibration):  # where its trees pay, learnt on dev as the controller learns
+            if len(batch) in cfg.tree_sizes:
+                BatchDecoder(pair, shape, rule, cfg.seed + 7 + 1000 * i).generate(batch, cfg.max_new_tokens, stop)
         out[TREE] = ours(lambda seed: BatchDecoder(pair, shape, rule, seed))
     elif tree:
         print(f"batch-bench: no {tree}, so no head tree rows (README: rebuild the heads)", flush=True)
