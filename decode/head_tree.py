@@ -105,7 +105,8 @@ class HeadTree(TreeShape):
 
     def timed(self, ms):
         """A round's whole ms (not a request's first, whose draft reads the prompts) and its progress count for its
-        batch size's choice to draft."""
+        batch size's choice to draft; a drafted round after plain steps counts its draft's read of what they skipped,
+        which is what drafting again costs."""
         if self.mode is not None and not self._fresh:
             got = self.sizes.get(self.b)
             if got is None:
@@ -128,7 +129,8 @@ class HeadTree(TreeShape):
         """Whether this round at batch size b drafts: a stretch (a request's rounds at one size) drafts while the
         progress per ms its size's drafted rounds realized (raised by optimistic, as the batch controller's) beats a
         plain step's 1 over its ms (measured; before any, the tables' target forward over b tokens and a round's
-        host work); it is chosen when the size changes and stopped after RECHECK_ROUNDS drafted rounds at a loss. A
+        host work); it is chosen when the size changes and stopped at a loss once the size has RECHECK_ROUNDS drafted rounds
+        (over every request). A
         plain stretch lasts until the size changes. A size with no drafted rounds drafts, unless a smaller size chose
         not to (a tree costs more per row the more rows verify)."""
         got = self.sizes.get(b, np.zeros(5))

@@ -328,7 +328,8 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     t_round, t_models = now(), stats.t_draft + stats.t_target
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
-    draft.room(max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length)) + most)
+    unread = max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length))  # the draft's first read
+    draft.room(unread + most)
     t_grow, t_drafting = now(), stats.t_draft
     trees = grow(shape, levels, draft, rows, text, streams, limits, s, stats, now)
     t_grown = stats.t_draft
@@ -356,9 +357,9 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     shape.tree_verified([len(v[0]) for v in verdicts],
                         [not t.children().get(v[0][-1] if v[0] else 0) for t, v in zip(trees, verdicts)])
     stats.t_rule += now() - t0
-    # the round's forwards, beside what the shape's tables said of them (not the first round's: its draft reads the
-    # prompt)
-    steady = first is None
+    # the round's forwards, beside what the shape's tables said of them, where the draft read what a round leaves it
+    # (the bonus token, perhaps one more): not a request's first round (the prompt) nor one after plain steps
+    steady = first is None and unread <= 2
     shape.tree_timed(1e3 * grow_host, 1e3 * (now() - t_round - (stats.t_draft + stats.t_target - t_models) - grow_host),
                      1e3 * (t_grown - t_drafting) if steady else None, 1e3 * t_verify if steady else None)
     return done

@@ -23,8 +23,11 @@ from tests.test_decode import ALPHA
 
 
 class PlainEveryOther:
-    """A tree shape (the class it is mixed into) that takes a plain target step every other round, the first
-    included: the draft reads what it skipped (the prompt, the plain steps' tokens) when it next drafts."""
+    """A tree shape (the class it is mixed into) that drafts every `period`-th round only, taking plain target steps
+    in the others, the first included: the draft reads what it skipped (the prompt, the plain steps' tokens) when it
+    next drafts."""
+
+    period = 2
 
     def start(self, n):
         super().start(n)
@@ -32,7 +35,7 @@ class PlainEveryOther:
 
     def begin(self, b, remaining=None):
         self.round += 1
-        return 0 if self.round % 2 else self.depth
+        return 0 if self.round % self.period else self.depth
 
 
 class EveryOther(PlainEveryOther, ConfidenceTree):
@@ -77,6 +80,29 @@ def test_after_plain_steps_the_draft_reads_what_it_skipped(arch_pairs):
     got = dec.generate(ragged(pair, 8), 20)
     assert sorted(set(dec.stats.accepted)) == [0, 3] and dec.stats.discarded == 0
     assert all(len(g.tokens) == 20 for g in got) and dec.stats.draft_calls == 3 * dec.stats.accepted.count(3) // 8
+
+
+def test_a_rounds_forwards_are_priced_only_where_the_draft_read_what_a_round_leaves(arch_pairs):
+    """A shape learns its forwards' cost from rounds whose draft read the bonus token (and perhaps one more): not the
+    first round (the prompt) nor a round after three plain steps (what they skipped)."""
+    pair = no_eos(arch_pairs("llama", "float32")[1])
+
+    def timed_rounds(base):
+        class Recording(base):
+            def tree_timed(self, grow_ms, rest_ms, draft_ms=None, verify_ms=None):
+                self.log.append(draft_ms is not None and verify_ms is not None)
+
+        shape = Recording(top_k=2, depth=3, nodes=6)
+        shape.log = []
+        BatchDecoder(pair, shape, GreedyMatch()).generate(ragged(pair, 3), 12)
+        return shape.log
+
+    class EveryFourth(EveryOther):
+        period = 4
+
+    assert timed_rounds(EveryFourth) and not any(timed_rounds(EveryFourth))
+    steady = timed_rounds(ConfidenceTree)
+    assert steady[0] is False and all(steady[1:]) and len(steady) > 2
 
 
 def test_a_chain_shaped_tree_is_speculative_sampling_token_for_token(arch_pairs):
