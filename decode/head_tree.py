@@ -16,9 +16,9 @@ share, the host work a level and a round cost, learnt from the wall clock; the f
 which are measured once on a machine whose speed drifts; at each depth, the tokens that arrived over those the values
 promised, since a head is optimistic deep in a tree or on text it was not trained on), and, as the controller does,
 whether to draft at all at each batch size (where a plain target step brings the batch on faster, it takes plain
-steps; decode.batch runs them as a chain of no candidates). Greedy output is the target's
-whatever the tree; under sampling the law is the target's, but a row's draws depend on the trees it got, so they differ
-between a row alone and in a batch, and between a fresh HeadTree and one that has decoded before.
+steps; decode.batch runs them as a chain of no candidates). Greedy output is the target's whatever the tree; under
+sampling the law is the target's, but a row's draws depend on the trees it got, so they differ between a row alone
+and in a batch, and between a fresh HeadTree and one that has decoded before.
 
 The cost-aware stop, generalised to trees: a round's rate is the expected tokens over the round's ms when the target
 verifies the best-first prefix of the nodes with the most expected tokens per ms, a draft level priced by its width
@@ -129,16 +129,16 @@ class HeadTree(TreeShape):
         """Whether this round at batch size b drafts: a stretch (a request's rounds at one size) drafts while the
         progress per ms its size's drafted rounds realized (raised by optimistic, as the batch controller's) beats a
         plain step's 1 over its ms (measured; before any, the tables' target forward over b tokens and a round's
-        host work); it is chosen when the size changes and stopped at a loss once the size has RECHECK_ROUNDS drafted rounds
-        (over every request). A
-        plain stretch lasts until the size changes. A size with no drafted rounds drafts, unless a smaller size chose
-        not to (a tree costs more per row the more rows verify)."""
+        host work); it is chosen when the size changes and stopped at a loss once the size has RECHECK_ROUNDS drafted
+        rounds (over every request). A plain stretch lasts until the size changes. A size with no drafted rounds
+        drafts, unless a smaller size chose not to (a tree costs more per row the more rows verify)."""
         got = self.sizes.get(b, np.zeros(5))
         if self.mode == (b, False):
             return False
-        plain = got[4] / got[3] if got[3] else self.priced()["verify"][0] + self.priced()["round"]
         if not got[0]:
             return not any(s < b for s in self.declined)
+        price = self.priced()
+        plain = got[4] / got[3] if got[3] else price["verify"][0] + price["round"]
         pays = optimistic(got[1] / got[2], got[0]) > 1.0 / plain
         return pays if self.mode is None or self.mode[0] != b or got[0] >= RECHECK_ROUNDS else True
 
@@ -307,7 +307,8 @@ class HeadTree(TreeShape):
         """The round's ms before the verify, as priced: its fixed host work, each level's, and the draft's forwards."""
         widths = _widths(tree)
         price = self.priced()
-        return price["round"] + price["level"][0] * (1 + len(widths)) + price["draft"] * self._draft_forwards(tree, widths)
+        forwards = price["draft"] * self._draft_forwards(tree, widths)
+        return price["round"] + price["level"][0] * (1 + len(widths)) + forwards
 
 
 def _widths(tree) -> dict[int, int]:

@@ -323,8 +323,8 @@ def check_tree(pair, rule) -> None:
 def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows: list[int], text, streams: Streams,
                limits: list[int], first: torch.Tensor | None, stats, levels: int) -> list[int]:
     """One tree round for every row (decode.batch.BatchDecoder, once the shape's begin chose to draft `levels` > 0
-    levels): grow, score, walk, keep -> the batch positions of rows done. Where a model bounds the cache's width, its rows pack first and a
-    row verifies at most what fits."""
+    levels): grow, score, walk, keep -> the batch positions of rows done. Where a model bounds the cache's width, its
+    rows pack first and a row verifies at most what fits."""
     t_round, t_models = now(), stats.t_draft + stats.t_target
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
