@@ -36,7 +36,7 @@ from decode.batch_cost_aware import RECHECK_ROUNDS, optimistic
 from decode.costs import CostModel
 from decode.head_policies import HeadPolicy
 from decode.sampling import as_numpy
-from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_first, best_order
+from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_order, counted, planned
 from heads import kernels, tree_kernels
 
 DECAY = 0.95  # per round, of what the rounds taught (about the last 20 rounds count)
@@ -55,7 +55,11 @@ class HeadTree(TreeShape):
     def __init__(self, head_dir: str, top_k: int = 4, depth: int = 8, nodes: int = 32,
                  allow_sampling_mismatch: bool = False, learn: bool = True):
         _check_sizes("HeadTree", top_k=top_k, depth=depth, nodes=nodes)
-        self.head = HeadPolicy(head_dir, allow_sampling_mismatch)
+        try:
+            self.head = HeadPolicy(head_dir, allow_sampling_mismatch)
+        except FileNotFoundError as e:
+            raise ValueError(f"HeadTree's head_dir: {e}; export a sibling head with python -m train fit --config "
+                             "heads/specdecpp-tree.yaml") from e
         spec = self.head.features
         if spec.position != "prev" or "cand_rank" not in spec.extras:
             raise ValueError(f"head {head_dir} was trained on chain candidates (features {spec.to_dict()}); a tree needs "
@@ -178,9 +182,14 @@ class HeadTree(TreeShape):
             out = [v[:m] for v, m in zip(value.tolist(), sizes)]
         else:
             out = self._weigh_rows(nodes, sizes, runs)
-        full = [o for o in out if len(o) == self.top_k]
-        if full:
-            self.rank_mean = 0.9 * self.rank_mean + 0.1 * np.mean(full, axis=0)
+        # each rank's running mean over the nodes that drew a child of that rank (a sampled level sized by
+        # _sampled_children gives many nodes fewer than top_k)
+        grid = np.full((len(out), self.top_k), np.nan)
+        for n, o in enumerate(out):
+            grid[n, :len(o)] = o[: self.top_k]
+        seen = ~np.isnan(grid).all(0)
+        if seen.any():
+            self.rank_mean[seen] = 0.9 * self.rank_mean[seen] + 0.1 * np.nanmean(grid[:, seen], axis=0)
         return out
 
     def _weigh_rows(self, nodes: NodeBatch, sizes: list[int], runs: np.ndarray) -> list[list[float]]:
@@ -206,6 +215,8 @@ class HeadTree(TreeShape):
         return out
 
     def children(self, level, tree, frontier):
+        if tree.sampled:
+            return self._sampled_children(level, tree, frontier)
         if level == 0:  # the root's children cost no extra forward (the draft read the root anyway)
             return [self.top_k]
         best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]
@@ -221,13 +232,43 @@ class HeadTree(TreeShape):
         expand = set(best[: width(value, guess, self._draft_ms(tree), price["level"], price["verify"], self.nodes)])
         return [self.top_k if i in expand else 0 for i in frontier]
 
+    def _sampled_children(self, level, tree, frontier) -> list[int]:
+        """Under sampling a level is sized before its children are drawn, as every drawn child is verified
+        (decode.tree_shapes): the best top_k frontier nodes' children, and the deeper levels they would grow, are
+        valued by the ranks' running means (planned); priced, the target verifies the prefix of those with the best
+        rate beside the nodes already drawn, and this level draws that prefix's children."""
+        best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]
+        room = min(tree.room, self.nodes - len(tree.value) + 1)
+        share = np.maximum(np.minimum.accumulate(np.maximum(self.rank_mean, 1e-6)), 1e-6)
+        if self.costs is None:
+            picked = planned([tree.value[i] for i in best], share, room, self.depth - level)
+        else:
+            price = self.priced()
+            c = price["calibration"]
+            picked = planned([tree.value[i] * c[tree.depth[i] + 1] for i in best], share, room, self.depth - level)
+            drawn = float(np.dot(tree.value[1:], c[np.asarray(tree.depth[1:], dtype=np.int64)]))
+            tokens = 1.0 + drawn + np.concatenate([[0.0], np.cumsum([v for v, _, _ in picked])])
+            seen, width = set(), np.zeros(len(picked) + 1, dtype=np.int64)  # the draft forward this level needs
+            for n, (_, f, _) in enumerate(picked):
+                seen.add(f)
+                width[n + 1] = len(seen)
+            level_ms = price["level"][width] if level else np.zeros(len(width))
+            ms = self._draft_ms(tree) + level_ms + price["verify"][len(tree.value) - 1 + np.arange(len(picked) + 1)]
+            picked = picked[: int(np.argmax(tokens / ms))]
+        got = dict(zip(best, counted(picked, len(best))))
+        return [got.get(i, 0) for i in frontier]
+
     def keep(self, tree, most):
         if self.costs is None:
-            return best_first(tree.value, tree.parent, tree.rank, min(most, self.nodes))
-        value = (np.asarray(tree.value) * self.priced()["calibration"][np.asarray(tree.depth)]).tolist()
-        order = best_order(value, tree.parent, tree.rank, min(most, self.nodes))
-        n = self._best_rate(np.asarray([value[i] for i in order]), self._draft_ms(tree))[1]
-        kept = order[:n]
+            return super().keep(tree, min(most, self.nodes))
+        if tree.sampled:  # sized before drawing (_sampled_children): every drawn node
+            kept = list(range(1, len(tree.value)))
+            n = len(kept)
+        else:
+            value = (np.asarray(tree.value) * self.priced()["calibration"][np.asarray(tree.depth)]).tolist()
+            order = best_order(value, tree.parent, tree.rank, min(most, self.nodes))
+            n = self._best_rate(np.asarray([value[i] for i in order]), self._draft_ms(tree))[1]
+            kept = order[:n]
         self._levels = max(self._levels, max(tree.depth))
         self._mass.append(np.bincount([tree.depth[i] for i in kept], [tree.value[i] for i in kept],
                                       minlength=len(self.promised)))

@@ -40,6 +40,13 @@ class RowTree:
     path: list[tuple[int, ...]] = field(default_factory=lambda: [()])
     col: list[int] = field(default_factory=lambda: [-1])  # the draft cache column a node was read into (-1: unread)
     q: dict = field(default_factory=dict)  # node -> (V,) the draft's law after it (sampling only)
+    sampled: bool = False  # drawn from q (sampling): every drawn node is verified (decode.tree_shapes)
+    budget: int = 64  # the most nodes the target may verify this round
+
+    @property
+    def room(self) -> int:
+        """Nodes the budget still leaves."""
+        return self.budget - len(self.tokens) + 1
 
     def add(self, parent: int, token: int, rank: int, prob: float) -> int:
         self.tokens.append(token)
@@ -68,7 +75,8 @@ class RowTree:
     def subtree(self, keep: list[int]) -> RowTree:
         """The tree of the root and the nodes `keep` (increasing, each with its parent), renumbered in order."""
         new = {0: 0} | {old: j + 1 for j, old in enumerate(keep)}
-        out = RowTree([self.tokens[0]], q={new[k]: v for k, v in self.q.items() if k in new})
+        out = RowTree([self.tokens[0]], q={new[k]: v for k, v in self.q.items() if k in new}, sampled=self.sampled,
+                      budget=self.budget)
         for old in keep:
             out.add(new[self.parent[old]], self.tokens[old], self.rank[old], 1.0)
             out.value[-1], out.col[-1] = self.value[old], self.col[old]
@@ -105,9 +113,10 @@ def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> l
 
 
 def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, streams: Streams, limits: list[int],
-         sampling, stats, now) -> list[RowTree]:
+         sampling, stats, now, most: int = 64) -> list[RowTree]:
     """Each row's tree, grown level by level (up to `levels`) from its pending token: the draft reads the row's unread
-    text and the root in one forward, then each level's expanded nodes in one forward each."""
+    text and the root in one forward, then each level's expanded nodes in one forward each. Under sampling a row
+    draws at most `most` nodes, in drafting order: the tree it draws is the tree the target verifies."""
     greedy = sampling.temperature == 0
     unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
     t0 = now()
@@ -117,9 +126,9 @@ def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, 
     at = torch.arange(len(rows), device=logits.device)
     raw = logits[at, last][:, None]  # (B, 1, V)
     state = None if hidden is None else hidden[at, last.to(hidden.device)][:, None]  # (B, 1, H)
-    trees = [RowTree([text.pending[r]]) for r in rows]
+    trees = [RowTree([text.pending[r]], sampled=not greedy, budget=most) for r in rows]
     frontier = [[0] for _ in rows]  # the nodes whose children this level draws, with raw[b, j] their logits
-    counts = [shape.children(0, t, [0]) for t in trees]  # how many children each frontier node gets
+    counts = [_within(t, shape.children(0, t, [0])) for t in trees]  # how many children each frontier node gets
     for level in range(levels):
         t0 = now()
         new = _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams)
@@ -128,7 +137,7 @@ def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, 
             break
         # the next level expands the new nodes the shape gives children (a row within its limit), each read by the
         # draft first
-        wide = [shape.children(level + 1, t, n) if level + 1 < lim else [0] * len(n)
+        wide = [_within(t, shape.children(level + 1, t, n)) if level + 1 < lim else [0] * len(n)
                 for t, n, lim in zip(trees, new, limits)]
         frontier = [[i for i, c in zip(n, w) if c] for n, w in zip(new, wide)]
         counts = [[c for c in w if c] for w in wide]
@@ -138,6 +147,19 @@ def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, 
         raw, state = _read(draft, trees, frontier, [len(text.committed[r]) for r in rows])
         stats.t_draft, stats.draft_calls = stats.t_draft + now() - t0, stats.draft_calls + 1
     return trees
+
+
+def _within(tree: RowTree, counts: list[int]) -> list[int]:
+    """A sampled level's child counts cut, in drafting order, to the nodes the row's budget leaves (a cut that
+    depends on the tree above, never on the children's draws); a greedy level's as the shape gave them (its keep()
+    prunes after drafting)."""
+    if not tree.sampled:
+        return counts
+    room, out = tree.room, []
+    for c in counts:
+        out.append(max(0, min(c, room)))
+        room -= out[-1]
+    return out
 
 
 def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams) -> list[list[int]]:
@@ -294,6 +316,15 @@ def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams)
     return list(zip(paths, sample(law, u=last).tolist()))
 
 
+def _kept(shape: TreeShape, tree: RowTree, fit: int) -> list[int]:
+    """The nodes the shape keeps for the target; under sampling every drawn node, or a one-line ValueError."""
+    kept = shape.keep(tree, fit)
+    if tree.sampled and kept != list(range(1, len(tree.tokens))):
+        raise ValueError(f"{type(shape).__name__}.keep dropped drawn nodes under sampling, which biases the target's "
+                         "law: size each level before drawing it in children() and keep every drawn node")
+    return kept
+
+
 def first_accepted(p: torch.Tensor, q: torch.Tensor, tokens: list[int], u: list[float]) -> int | None:
     """Recursive rejection at one node (sibling_tests): (V,) p and q, the children drawn and one uniform each -> the
     index of the accepted child, or None if all are rejected."""
@@ -331,10 +362,10 @@ def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows
     unread = max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length))  # the draft's first read
     draft.room(unread + most)
     t_grow, t_drafting = now(), stats.t_draft
-    trees = grow(shape, levels, draft, rows, text, streams, limits, s, stats, now)
+    trees = grow(shape, levels, draft, rows, text, streams, limits, s, stats, now, fit)
     t_grown = stats.t_draft
     grow_host = now() - t_grow - (t_grown - t_drafting)
-    trees = [t.subtree(shape.keep(t, fit)) for t in trees]
+    trees = [t.subtree(_kept(shape, t, fit)) for t in trees]
     roots = [len(text.committed[r]) for r in rows]
     t0, width = now(), target.width
     logits = score(target, trees, roots, first)

@@ -8,6 +8,12 @@ batch of one row) decode with it as with any control. Each row's tree grows leve
 children each frontier node gets (the draft's top choices under greedy, draws without replacement under sampling),
 then which of the drafted nodes the target verifies. A kept node's parent and earlier siblings are always kept:
 recursive rejection tests siblings in the order they were drawn.
+
+Under sampling a shape prunes before it draws, never after (docs/trees.md, "Pruning under sampling"): recursive
+rejection emits the target's law only if how many of a node's children the target tests does not depend on what those
+children turned out to be. So a sampled round verifies every child it drew, and a shape sizes each level in
+children() from what is already drawn (the frontier, its ancestors), never from the children's own draws; keeping
+the best nodes by value after drawing (best_first) is for greedy rounds alone.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decode.batch_control import BatchControl
@@ -35,7 +42,8 @@ class TreeShape(BatchControl):
 
     def children(self, level: int, tree, frontier: list[int]) -> list[int]:
         """One row's tree (decode.tree.RowTree) and its frontier at `level` (0: the root alone) -> how many children
-        the draft proposes for each frontier node (0: not expanded)."""
+        the draft proposes for each frontier node (0: not expanded). Under sampling (tree.sampled) these counts are
+        final: the target verifies every child drawn, up to the round's node budget (tree.room nodes still free)."""
         raise NotImplementedError
 
     def weigh(self, level: int, nodes: NodeBatch) -> list[list[float]]:
@@ -45,8 +53,11 @@ class TreeShape(BatchControl):
         return nodes.probs
 
     def keep(self, tree, most: int) -> list[int]:
-        """One row's drafted tree -> the nodes the target verifies, in drafting order: the best `most` by value, each
-        with its parent and earlier siblings (best_first)."""
+        """One row's drafted tree -> the nodes the target verifies, in drafting order. Greedy: the best `most` by
+        value, each with its parent and earlier siblings (best_first). Sampling: every drafted node (see the module;
+        decode.tree refuses a shape whose keep drops a drawn node there)."""
+        if tree.sampled:
+            return list(range(1, len(tree.value)))
         return best_first(tree.value, tree.parent, tree.rank, most)
 
     def tree_verified(self, accepted: list[int], whole: list[bool]) -> None:
@@ -110,10 +121,7 @@ class StaticTree(TreeShape):
     of k candidates is [(0,), (0, 0), ...]. Under sampling a rank is a draw's order (without replacement)."""
 
     def __init__(self, paths: Sequence[Sequence[int]]):
-        if isinstance(paths, (str, bytes)) or any(isinstance(p, (int, str, bytes)) or not all(
-                isinstance(j, int) and not isinstance(j, bool) and j >= 0 for j in p) for p in paths):
-            raise ValueError(f"a static tree is a list of rank paths, each a list of ranks >= 0 (e.g. [[0], [1], "
-                             f"[0, 0]]), got {paths!r}")
+        paths = _rank_paths(paths)
         self.paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
         if not self.paths or any(not p for p in self.paths):
             raise ValueError("a static tree needs at least one non-empty rank path, e.g. [[0], [1], [0, 0]]")
@@ -138,7 +146,36 @@ class StaticTree(TreeShape):
         """Sequoia's tree under the positional model: the j-th child of any node is accepted with probability
         accept[j] given its parent was, so a node's value is the product along its rank path and the best tree of
         `nodes` nodes with at most `depth` levels is the best `nodes` of that infinite tree (best_first)."""
+        _check_accept("StaticTree.sequoia", accept)
+        _check_sizes("StaticTree.sequoia", nodes=nodes, depth=depth)
         return cls(sequoia_paths(accept, nodes, depth))
+
+
+def _rank_paths(paths) -> list[tuple[int, ...]]:
+    """A static tree's rank paths as tuples of ints (numpy arrays and integers welcome), or a one-line ValueError."""
+    if hasattr(paths, "tolist"):  # a numpy array of paths
+        paths = paths.tolist()
+    bad = ValueError(f"StaticTree's paths are a list of rank paths, each a list of ranks >= 0 (e.g. [[0], [1], "
+                     f"[0, 0]]), got {' '.join(repr(paths).split())[:200]}")
+    if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+        raise bad
+    out = []
+    for p in paths:
+        if hasattr(p, "tolist"):
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not all(
+                isinstance(j, int) and not isinstance(j, bool) and j >= 0 for j in p):
+            raise bad
+        out.append(tuple(p))
+    return out
+
+
+def _check_accept(name: str, accept) -> None:
+    """The positional acceptance vector: a non-empty list of numbers in (0, 1], or a one-line ValueError."""
+    if isinstance(accept, (str, bytes)) or not isinstance(accept, Sequence) or not accept or not all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a <= 1 for a in accept):
+        raise ValueError(f"{name}'s accept is the positional acceptance vector, a list of numbers each in (0, 1] "
+                         f"(python -m decode.evaluation.tree_plan prints it), got {' '.join(repr(accept).split())[:200]}")
 
 
 class SequoiaTree(StaticTree):
@@ -146,9 +183,9 @@ class SequoiaTree(StaticTree):
     decode.evaluation.tree_plan prints it and the nodes and depth that pay on this machine)."""
 
     def __init__(self, accept: Sequence[float], nodes: int = 16, depth: int = 6):
-        if isinstance(accept, (int, float)) or not accept or not all(0 < float(a) <= 1 for a in accept):
-            raise ValueError(f"SequoiaTree's accept is the positional acceptance vector, each entry in (0, 1] (python -m "
-                             f"decode.evaluation.tree_plan prints it), got {accept!r}")
+        if hasattr(accept, "tolist"):
+            accept = accept.tolist()
+        _check_accept("SequoiaTree", accept)
         _check_sizes("SequoiaTree", nodes=nodes, depth=depth)
         super().__init__(sequoia_paths(accept, nodes, depth))
         self.accept = list(accept)
@@ -174,15 +211,67 @@ def expected_tokens(accept: Sequence[float], paths: Sequence[Sequence[int]]) -> 
 
 class ConfidenceTree(TreeShape):
     """EAGLE-2's dynamic tree: a node's value is the product of the draft's probabilities along its path. Each level
-    expands the top_k frontier nodes by value, top_k children each; the target verifies the best `nodes` of all."""
+    expands the top_k frontier nodes by value. Greedy: top_k children each, and the target verifies the best `nodes`
+    of all (EAGLE-2's rerank). Sampling, where a rerank of drawn children would bias the law (see the module): the
+    expanded nodes share what is left of the `nodes` budget before their children are drawn, as the best nodes of
+    the positional tree grown from them (planned), the j-th child of a node valued by shares[j], the draft's typical
+    probability of its j-th draw; the target verifies every child drawn."""
 
-    def __init__(self, top_k: int = 4, depth: int = 6, nodes: int = 16):
+    def __init__(self, top_k: int = 4, depth: int = 6, nodes: int = 16, shares: Sequence[float] | None = None):
         _check_sizes("ConfidenceTree", top_k=top_k, depth=depth, nodes=nodes)
         self.top_k, self.depth, self.nodes = top_k, depth, nodes
+        self.shares = check_shares("ConfidenceTree", SHARES if shares is None else shares, top_k)
 
     def children(self, level, tree, frontier):
-        best = set(sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k])
-        return [self.top_k if i in best else 0 for i in frontier]
+        best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]
+        if not tree.sampled:
+            return [self.top_k if i in best else 0 for i in frontier]
+        picked = planned([tree.value[i] for i in best], self.shares, tree.room, self.depth - level)
+        got = dict(zip(best, counted(picked, len(best))))
+        return [got.get(i, 0) for i in frontier]
+
+
+SHARES = (0.6, 0.2, 0.08, 0.04)  # a peaked draft's typical probability of its 1st, 2nd, ... draw (then halving)
+
+
+def check_shares(name: str, shares: Sequence[float], top_k: int) -> np.ndarray:
+    """(top_k,) the shares as a non-increasing vector in (0, 1] (extended by halving), or a one-line ValueError."""
+    if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or not shares or not all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a <= 1 for a in shares):
+        raise ValueError(f"{name}'s shares are a list of probabilities in (0, 1], one per child rank (e.g. [0.6, 0.2, "
+                         f"0.08]), got {shares!r}")
+    out = [float(a) for a in shares][:top_k]
+    while len(out) < top_k:
+        out.append(out[-1] / 2)
+    return np.minimum.accumulate(np.asarray(out))
+
+
+def planned(values: Sequence[float], shares: Sequence[float], room: int, levels: int) -> list[tuple[float, int, int]]:
+    """Sizing a sampled level before its children are drawn: the values of the frontier nodes that may be expanded,
+    (k,) the non-increasing share of a node's j-th child, the nodes the tree may still add and the levels it may
+    still draft -> the best `room` nodes of the positional tree grown from those nodes (each node's j-th child worth
+    its value times shares[j], Sequoia's model below the draws), best first, as (value, frontier index, depth below
+    it). Its nodes at depth 1 are the children to draw now; the deeper ones hold budget for the levels after."""
+    heap = [(-v * shares[0], f, (0,)) for f, v in enumerate(values) if v > 0 and levels > 0]
+    heapq.heapify(heap)
+    out: list[tuple[float, int, int]] = []
+    while heap and len(out) < room:
+        neg, f, path = heapq.heappop(heap)
+        out.append((-neg, f, len(path)))
+        j = path[-1]
+        if j + 1 < len(shares):
+            heapq.heappush(heap, (neg / shares[j] * shares[j + 1], f, path[:-1] + (j + 1,)))
+        if len(path) < levels:
+            heapq.heappush(heap, (neg * shares[0], f, path + (0,)))
+    return out
+
+
+def counted(picked: Sequence[tuple[float, int, int]], n: int) -> list[int]:
+    """planned's nodes (or a prefix of them) -> how many children each of the n frontier nodes gets now."""
+    counts = [0] * n
+    for _, f, d in picked:
+        counts[f] += d == 1
+    return counts
 
 
 def _check_sizes(name: str, **sizes) -> None:
