@@ -1,4 +1,5 @@
-"""Prompt sets as `datasets.Dataset`s: pycode (cut from the stdlib) and HumanEval (OOD).
+"""Prompt sets as `datasets.Dataset`s: pycode (cut from the stdlib), instruct (requests built from the stdlib and pydoc's
+topics, data_gen.instruct) and HumanEval (OOD).
 
     python -m data_gen.prompts            # prints the counts of every set and split
 
@@ -85,6 +86,10 @@ class PromptSet:
             if self.split not in SPLITS:
                 raise ValueError(f"pycode has splits {SPLITS}, not {self.split!r}")
             ds = datasets.Dataset.from_list(pycode_records(self.split))
+        elif self.name == "instruct":
+            from data_gen.instruct import instruct_records
+
+            ds = datasets.Dataset.from_list(instruct_records(self.split))
         elif self.name == "humaneval":
             if self.split != "test":
                 raise ValueError("humaneval has only the split 'test' (it is an out-of-distribution test set)")
@@ -96,7 +101,7 @@ class PromptSet:
             ds = datasets.Dataset.from_list(
                 [{"id": str(r.get("id", i)), "source": self.path, "prompt": r["prompt"]} for i, r in enumerate(rows)])
         else:
-            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'humaneval' or 'jsonl'")
+            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'instruct', 'humaneval' or 'jsonl'")
         if self.limit is not None or self.skip:
             stop = len(ds) if self.limit is None else min(len(ds), self.skip + self.limit)
             ds = ds.shuffle(seed=self.seed).select(range(min(self.skip, stop), stop))

@@ -49,15 +49,29 @@ class Sampling:
 
 @dataclass
 class ModelSpec:
-    """Where one model lives and how to place it."""
+    """Where one model lives and how to place it. path: a hub id, a local folder, a local .gguf file, or a file in a
+    pinned package (pip:PACKAGE==VERSION/PATH.gguf, decode.gguf). embeddings: "own", or "target" for a draft whose
+    folder holds every weight but the input embeddings (and the output layer tied to them), which it shares with the
+    target at load time, so a distilled draft ships without a copy of the target's vocabulary matrix."""
 
     path: str
     dtype: str = "float32"
     device_map: str | None = None  # e.g. "auto" to shard a large target over GPUs
     revision: str | None = None
+    embeddings: str = "own"
+
+    def __post_init__(self):
+        if self.embeddings not in ("own", "target"):
+            raise ValueError(f"a model's embeddings are 'own' or 'target' (shared with the target), got "
+                             f"{self.embeddings!r}")
 
     def resolved(self) -> str:
-        """A local folder relative to the repository root, else the hub id unchanged."""
+        """A local folder relative to the repository root (a GGUF file: its converted folder in the cache, fetched
+        and converted on first use), else the hub id unchanged."""
+        from decode.gguf import hf_folder, is_gguf
+
+        if is_gguf(self.path):
+            return str(hf_folder(self.path, ROOT))
         local = ROOT / self.path
         return str(local) if local.exists() else self.path
 
@@ -212,13 +226,17 @@ def load_config(spec: ModelSpec):
     return AutoConfig.from_pretrained(spec.resolved(), revision=spec.revision)
 
 
-def load_model(spec: ModelSpec, device: torch.device | str | None = None):
-    """A model frozen in eval mode; on `device` unless its spec shards it with a device_map."""
+def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=None):
+    """A model frozen in eval mode; on `device` unless its spec shards it with a device_map. donor: the model whose
+    input embeddings a spec with embeddings "target" takes."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        spec.resolved(), dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision
-    )
+    if spec.embeddings == "target":
+        model = with_donor_embeddings(spec, donor)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.resolved(), dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision
+        )
     if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
         model.to(device)
     model.eval().requires_grad_(False)
@@ -230,6 +248,38 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None):
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
             module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
+    return model
+
+
+def with_donor_embeddings(spec: ModelSpec, donor):
+    """A model built from its folder's config and weights, its input embeddings (and the output layer tied to them)
+    the donor's, cast to the spec's dtype; a one-line ValueError if the folder's weights are not all the rest."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(spec.resolved())
+    config = AutoConfig.from_pretrained(folder)
+    if donor is None or donor.get_input_embeddings().weight.shape[1] != config.hidden_size:
+        raise ValueError(f"{folder} shares the target's embeddings, but the target's width "
+                         f"{None if donor is None else donor.get_input_embeddings().weight.shape[1]} is not its "
+                         f"{config.hidden_size}: pair it with the target it was distilled from")
+    dtype = getattr(torch, spec.dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        state = load_file(folder / "model.safetensors")
+    except Exception as e:  # a missing file, or safetensors' own error class for a corrupt one
+        raise ValueError(f"{folder / 'model.safetensors'} cannot be read ({' '.join(str(e).split())[:160]}): copy or "
+                         "export it again") from e
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    embed = [k for k, v in model.state_dict().items() if v.data_ptr() == model.get_input_embeddings().weight.data_ptr()]
+    if unexpected or set(missing) - set(embed):
+        raise ValueError(f"{folder} does not hold the draft's weights but its embeddings: missing "
+                         f"{sorted(set(missing) - set(embed))[:3]}, unexpected {sorted(unexpected)[:3]}")
+    weight = donor.get_input_embeddings().weight
+    model.get_input_embeddings().weight = torch.nn.Parameter(weight if weight.dtype == dtype else weight.to(dtype),
+                                                             requires_grad=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
     return model
 
 
@@ -250,7 +300,8 @@ def load_pair(config: PairConfig | str | Path, device: torch.device | str | None
         check_servable(load_config(getattr(cfg, name)), name)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    draft, target = load_model(cfg.draft, device), load_model(cfg.target, device)
+    target = load_model(cfg.target, device)
+    draft = load_model(cfg.draft, device, donor=target)
     for name, m in (("draft", draft), ("target", target)):
         rows = m.get_output_embeddings().weight.shape[0]
         if rows < vocab:

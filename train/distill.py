@@ -1,0 +1,405 @@
+"""Distil a draft for a target that has none, from the target's own answers. Resumes wherever it stopped.
+
+    nohup python -m train.distill --config configs/distill/smollm2.yaml > distill.log 2>&1 &   # starts or resumes
+    python -m train.distill --config configs/distill/smollm2.yaml --cycles 2                   # a short run
+    python -m train.distill --config configs/distill/smollm2.yaml --plot                       # the learning curve
+
+Each cycle the target answers a chunk of the recipe's instructions (batched generate(), at the sampling settings
+the heads will serve, cycled), the answers join the store, and the draft trains on the new chunk and a replay of
+older ones by forward KL against the target's distribution at every answer position (the teacher's logits are
+recomputed, which costs less than storing them). The draft starts from some of the target's layers with its final
+norm, and shares its embeddings and tied output layer, frozen: only the layers and the norm are trained, saved and
+committed (decode.pair.ModelSpec, embeddings "target"). Every `eval_every` cycles the draft is measured on held-out
+answers to the dev instructions (greedy, generated once): top-1 agreement with the target's greedy token and mean
+alpha at T = 1 (sum over the vocabulary of min(p, q)), logged against the tokens seen in curve.jsonl and drawn in
+curve.png. State (the draft, the optimiser, the cycle, the store) is saved after every cycle, each file written
+aside and renamed into place, so a killed run resumes from its last cycle; without the state (a fresh clone), it
+resumes from the exported draft and its committed answers with a fresh optimiser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from decode.pair import ROOT, ModelSpec, load_model
+from decode.prompting import encode
+
+
+@dataclass
+class Recipe:
+    """A distillation recipe (configs/distill/*.yaml). target: the teacher (decode.pair.ModelSpec fields); layers:
+    the target's layers the draft starts from; out: where the draft is exported (and its answers kept)."""
+
+    target: dict
+    out: str
+    layers: list[int] = field(default_factory=lambda: [0, 1])
+    prompts: str = "instruct"  # a data_gen.prompts set; its train split is answered, its dev split measured
+    settings: list[dict] = field(default_factory=lambda: [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95},
+                                                          {"temperature": 1.0}])
+    answers_per_cycle: int = 32
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 256
+    dev_prompts: int = 48
+    batch: int = 8
+    steps_per_cycle: int = 8
+    replay: float = 0.5  # share of a cycle's sequences drawn from earlier cycles' answers
+    lr: float = 1e-3
+    warmup: int = 20
+    eval_every: int = 5
+    seed: int = 0
+    threads: int = 0  # 0: torch's default
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Recipe:
+        path = Path(path) if Path(path).exists() else ROOT / path
+        if not path.exists():
+            raise FileNotFoundError(f"distillation recipe {path} not found; the shipped ones are in configs/distill/")
+        raw = yaml.safe_load(path.read_text()) or {}
+        unknown = set(raw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown recipe keys {sorted(unknown)}; see configs/distill/smollm2.yaml")
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise ValueError(f"{path}: malformed recipe ({e}); see configs/distill/smollm2.yaml") from e
+
+
+def make_draft(target, layers: list[int]):
+    """A draft of the target's `layers` (copied), its final norm, and its embeddings and output layer (shared)."""
+    from transformers import AutoModelForCausalLM
+
+    config = type(target.config).from_dict(target.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    for key in ("layer_types", "mlp_bias_layers"):  # per-layer lists, where a config keeps them
+        if isinstance(getattr(config, key, None), list):
+            setattr(config, key, [getattr(target.config, key)[i] for i in layers])
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for new, old in enumerate(layers):
+        draft.model.layers[new].load_state_dict(target.model.layers[old].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    share_embeddings(draft, target)
+    return draft
+
+
+def share_embeddings(draft, target) -> None:
+    """The draft reads and writes through the target's (frozen) embedding matrix."""
+    draft.model.embed_tokens.weight = target.model.embed_tokens.weight
+    draft.tie_weights() if draft.config.tie_word_embeddings else None
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    draft.draft_weights = [n for n, _ in draft.named_parameters() if "embed_tokens" not in n and "lm_head" not in n]
+
+
+def trained_state(draft) -> dict[str, torch.Tensor]:
+    """The weights the draft owns: every one but the shared embeddings and output layer."""
+    return {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(tmp_path), then rename over path: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".part")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def export(draft, tokenizer, out: Path, info: dict) -> None:
+    """The draft as a folder decode.pair loads with embeddings "target": config, bfloat16 layers, tokenizer."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in trained_state(draft).items()}
+    write_atomic(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+
+
+class Store:
+    """The target's answers, one gzipped JSON line each ({"id", "setting", "prompt", "answer"} as token ids), kept
+    beside the exported draft: appended per cycle, so the dear part of the run survives any interruption."""
+
+    def __init__(self, path: Path):
+        self.path, self.rows = path, []
+        if path.exists():
+            with gzip.open(path, "rt") as f:
+                for line in f:
+                    try:
+                        self.rows.append(json.loads(line))
+                    except json.JSONDecodeError:  # a line cut by an interrupted append: the rest was written whole
+                        break
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows += rows
+        write_atomic(self.path, lambda p: _write_gz(p, self.rows))
+
+
+def _write_gz(path: Path, rows: list[dict]) -> None:
+    with gzip.open(path, "wt") as f:
+        for r in rows:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+@torch.no_grad()
+def answer(target, tokenizer, prompts: list[list[int]], setting: dict, max_new: int, seed: int) -> list[list[int]]:
+    """The target's answers to a batch of prompt ids (left-padded generate(), stopping at its EOS ids)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(seed)
+    t = setting.get("temperature", 1.0)
+    sample = dict(do_sample=True, temperature=t, top_p=setting.get("top_p", 1.0), top_k=setting.get("top_k", 0)) \
+        if t > 0 else dict(do_sample=False)
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=pad, **sample)
+    eos = set(eos_of(target, tokenizer))
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, x in enumerate(row) if x in eos), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def eos_of(target, tokenizer) -> tuple[int, ...]:
+    from decode.pair import eos_ids
+
+    return eos_ids(target, tokenizer)
+
+
+def batch_of(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored answers -> (B, T) ids right-padded, (B, T) attention mask, (B, T) which positions predict an answer
+    token (the last prompt token's through the answer's second-to-last)."""
+    seqs = [r["prompt"] + r["answer"] for r in rows]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    scored = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, (r, s) in enumerate(zip(rows, seqs)):
+        ids[b, :len(s)] = torch.tensor(s)
+        mask[b, :len(s)] = 1
+        scored[b, len(r["prompt"]) - 1: len(s) - 1] = True
+    return ids, mask, scored
+
+
+def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T, V) the draft's logits, its float32 layers run in bfloat16 beside the shared bfloat16
+    embeddings (autocast; the exported draft is bfloat16)."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        return draft(input_ids=ids, attention_mask=mask).logits
+
+
+def kl_step(draft, target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, int]:
+    """Forward KL(p || q) at the answer positions of a batch, averaged -> (loss, positions)."""
+    ids, mask, scored = batch_of(rows)
+    with torch.no_grad():
+        p_logits = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float()
+    q_logits = draft_logits(draft, ids, mask)[scored][:, :vocab].float()
+    loss = F.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="batchmean")
+    return loss, int(scored.sum())
+
+
+@torch.no_grad()
+def measure(draft, target, rows: list[dict], vocab: int) -> dict:
+    """Top-1 agreement with the target's greedy token and mean alpha at T = 1 over held-out answer positions."""
+    agree = alpha = n = 0.0
+    for i in range(0, len(rows), 8):
+        ids, mask, scored = batch_of(rows[i: i + 8])
+        p = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float().softmax(-1)
+        q = draft_logits(draft, ids, mask)[scored][:, :vocab].float().softmax(-1)
+        agree += float((p.argmax(-1) == q.argmax(-1)).sum())
+        alpha += float(torch.minimum(p, q).sum())
+        n += p.shape[0]
+    return {"top1": agree / max(n, 1), "alpha": alpha / max(n, 1), "positions": int(n)}
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    return recipe.lr * min(1.0, (step + 1) / recipe.warmup)
+
+
+def log(msg: str) -> None:
+    print(f"[distill {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Run:
+    """One recipe's run: the loaded target, the draft, the optimiser and the stores, resumed from what is saved."""
+
+    def __init__(self, recipe: Recipe):
+        from transformers import AutoTokenizer
+
+        from data_gen.prompts import PromptSet
+
+        self.recipe, self.out = recipe, ROOT / recipe.out
+        self.state_dir = self.out / ".state"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        spec = ModelSpec(**recipe.target)
+        log(f"loading the target {spec.path} ({spec.dtype})")
+        self.target = load_model(spec)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.resolved())
+        self.vocab = len(self.tokenizer)
+        self.draft = make_draft(self.target, recipe.layers)
+        self.opt = torch.optim.AdamW([p for n, p in self.draft.named_parameters() if n in self.draft.draft_weights],
+                                     lr=recipe.lr, weight_decay=0.0)
+        self.cycle, self.step, self.tokens, self.curve = 0, 0, 0, []
+        self._resume()
+        self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
+        random.Random(recipe.seed).shuffle(self.train_prompts)
+        self.answers = Store(self.out / "answers-train.jsonl.gz")
+        self.dev = Store(self.out / "answers-dev.jsonl.gz")
+        if len(self.dev.rows) < recipe.dev_prompts:
+            dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
+            log(f"the target answers {len(dev)} dev instructions (greedy), once, for the learning curve")
+            rows = []
+            for i in range(0, len(dev), 16):
+                rows += self.answered(dev[i: i + 16], {"temperature": 0.0}, recipe.seed)
+            self.dev.add(rows)
+
+    def answered(self, chunk: list[tuple[str, str]], setting: dict, seed: int) -> list[dict]:
+        """(id, text) instructions -> stored rows of the target's answers, prompts in the chat template."""
+        ids = [encode(self.tokenizer, text, True, self.recipe.max_prompt_tokens) for _, text in chunk]
+        got = answer(self.target, self.tokenizer, ids, setting, self.recipe.max_new_tokens, seed)
+        return [{"id": k, "setting": setting_name(setting), "prompt": p, "answer": a}
+                for (k, _), p, a in zip(chunk, ids, got)]
+
+    def _resume(self) -> None:
+        """From the saved state; else from the exported draft (a fresh clone: fresh optimiser); else from scratch."""
+        from safetensors.torch import load_file
+
+        state, exported = self.state_dir / "state.pt", self.out / "model.safetensors"
+        if state.exists():
+            got = torch.load(state, weights_only=False)
+            self.draft.load_state_dict(got["draft"], strict=False)
+            self.opt.load_state_dict(got["opt"])
+            self.cycle, self.step, self.tokens, self.curve = got["cycle"], got["step"], got["tokens"], got["curve"]
+            log(f"resumed from {state}: cycle {self.cycle}, {self.tokens:,} tokens seen")
+        elif exported.exists():
+            self.draft.load_state_dict({k: v.float() for k, v in load_file(exported).items()}, strict=False)
+            info = json.loads((self.out / "training.json").read_text())
+            self.cycle, self.step, self.tokens, self.curve = info["cycle"], info["step"], info["tokens"], info["curve"]
+            log(f"resumed from the exported draft {exported} (fresh optimiser): cycle {self.cycle}, "
+                f"{self.tokens:,} tokens seen")
+        else:
+            log(f"a new draft of the target's layers {self.recipe.layers}")
+
+    def info(self) -> dict:
+        return {"recipe": asdict(self.recipe), "cycle": self.cycle, "step": self.step, "tokens": self.tokens,
+                "answers": len(self.answers.rows), "curve": self.curve}
+
+    def save(self) -> None:
+        state = {"draft": trained_state(self.draft), "opt": self.opt.state_dict(), "cycle": self.cycle,
+                 "step": self.step, "tokens": self.tokens, "curve": self.curve}
+        write_atomic(self.state_dir / "state.pt", lambda p: torch.save(state, p))
+
+    def evaluate(self) -> None:
+        got = measure(self.draft, self.target, self.dev.rows, self.vocab)
+        self.curve.append({"cycle": self.cycle, "tokens": self.tokens, **got})
+        log(f"cycle {self.cycle}: {self.tokens:,} tokens seen, held-out top-1 {got['top1']:.3f}, "
+            f"alpha(T=1) {got['alpha']:.3f} over {got['positions']} positions")
+        export(self.draft, self.tokenizer, self.out, self.info())
+        plot(self.curve, self.out / "curve.png")
+
+    def run_cycle(self) -> None:
+        r, t0 = self.recipe, time.time()
+        at = (self.cycle * r.answers_per_cycle) % max(1, len(self.train_prompts))
+        chunk = self.train_prompts[at: at + r.answers_per_cycle]
+        setting = r.settings[self.cycle % len(r.settings)]
+        name = setting_name(setting)
+        rows = []
+        for i in range(0, len(chunk), 16):
+            rows += self.answered(chunk[i: i + 16], setting, r.seed + self.cycle * 1000 + i)
+        self.answers.add(rows)
+        made = sum(len(x["answer"]) for x in rows)
+        t1 = time.time()
+        rng, old = random.Random(r.seed + self.cycle), self.answers.rows[: -len(rows)]
+        loss_sum = 0.0
+        self.draft.train()
+        for _ in range(r.steps_per_cycle):
+            pick = [rng.choice(old) if old and rng.random() < r.replay else rng.choice(rows) for _ in range(r.batch)]
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.step, r)
+            loss, n = kl_step(self.draft, self.target, pick, self.vocab)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in self.draft.parameters() if p.requires_grad], 1.0)
+            self.opt.step()
+            self.step, self.tokens, loss_sum = self.step + 1, self.tokens + n, loss_sum + loss.item()
+        self.draft.eval()
+        self.cycle += 1
+        log(f"cycle {self.cycle}: {len(rows)} answers ({name}, {made} tokens, {made / (t1 - t0):.0f} tok/s), "
+            f"{r.steps_per_cycle} steps (KL {loss_sum / r.steps_per_cycle:.3f}, "
+            f"{r.steps_per_cycle * r.batch / (time.time() - t1):.2f} seq/s); {self.tokens:,} tokens seen, "
+            f"{len(self.answers.rows)} answers stored")
+
+
+def setting_name(setting: dict) -> str:
+    from decode.pair import Sampling
+
+    return Sampling(**{"temperature": 1.0, **setting}).name
+
+
+def plot(curve: list[dict], path: Path) -> None:
+    """Top-1 agreement and alpha at T = 1 on held-out answers against the tokens the draft has trained on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not curve:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    x = [max(c["tokens"], 1) for c in curve]
+    ax.plot(x, [c["top1"] for c in curve], "o-", label="top-1 agreement (greedy)")
+    ax.plot(x, [c["alpha"] for c in curve], "s-", label="alpha at T = 1")
+    ax.set_xscale("log")
+    ax.set_xlabel("answer tokens trained on")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("draft distillation, held-out dev answers")
+    fig.tight_layout()
+    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=110))
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="a distillation recipe, e.g. configs/distill/smollm2.yaml")
+    ap.add_argument("--cycles", type=int, default=0, help="stop after this many more cycles (0: run until killed)")
+    ap.add_argument("--plot", action="store_true", help="only draw the learning curve from the exported draft")
+    args = ap.parse_args(argv)
+    try:
+        recipe = Recipe.from_yaml(args.config)
+        if args.plot:
+            info = json.loads((ROOT / recipe.out / "training.json").read_text())
+            plot(info["curve"], ROOT / recipe.out / "curve.png")
+            return
+        if recipe.threads:
+            torch.set_num_threads(recipe.threads)
+        torch.manual_seed(recipe.seed)
+        run = Run(recipe)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if not run.curve:
+        run.evaluate()
+    done = 0
+    while not args.cycles or done < args.cycles:
+        run.run_cycle()
+        done += 1
+        run.save()
+        if run.cycle % run.recipe.eval_every == 0 or (args.cycles and done == args.cycles):
+            run.evaluate()
+            run.save()
+
+
+if __name__ == "__main__":
+    main()
