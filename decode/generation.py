@@ -1,4 +1,4 @@
-"""What a decoder returns (Generation and its Stats, DESIGN.md's metrics) and the checks every decoder makes of a
+"""What a decoder returns (Generation and its Stats, docs/design.md's metrics) and the checks every decoder makes of a
 request before it decodes: the one-sequence engine (decode.engine) and the batched one (decode.batch) share them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from decode.pair import Pair
 
 @dataclass
 class Stats:
-    """Counters of one or more generations (DESIGN.md's metrics)."""
+    """Counters of one or more generations (docs/design.md's metrics)."""
 
     new_tokens: int = 0
     target_calls: int = 0

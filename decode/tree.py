@@ -4,7 +4,7 @@ per level), score every node with one target forward, walk the accepted path, ke
 decode.batch.BatchDecoder calls round() when its control is a decode.tree_shapes.TreeShape; a chain is the tree
 with one child per node, batch 1 a batch of one row. The caches are decode.rowcache.RowCache: a node reads the
 committed text and its own ancestors (RowCache.feed_tree), and after verification the path's columns become kept
-text while the rest are holes (RowCache.commit_columns). DESIGN.md, Token trees, gives the rules:
+text while the rest are holes (RowCache.commit_columns). docs/design.md, "Token trees", gives the rules:
 - greedy: follow the child equal to the target's argmax; its argmax after the last followed node is the bonus.
 - sampling: a node's children were drawn from the draft's q without replacement; they are tested in turn against
   what earlier rejections leave (recursive rejection), and after m rejections the token comes from that residual.
