@@ -39,3 +39,30 @@ def test_no_two_modules_import_each_other():
     graph = imports()
     pairs = {tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph.get(b, ())}
     assert not pairs, pairs
+
+
+def test_the_front_door_names_the_public_api_and_loads_nothing_until_asked():
+    """`import decode` lists the public API in __all__, every name resolves to the class or function it names, and
+    the import itself loads no model library (python -m decode sets its defaults before transformers loads)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, decode; assert 'torch' not in sys.modules and 'transformers' not in sys.modules; "
+            "print(len(decode.__all__)); [getattr(decode, n) for n in decode.__all__]; "
+            "assert decode.SpeculativeDecoder.__module__ == 'decode.engine'")
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert int(got.stdout) >= 30
+
+
+def test_nothing_cites_a_file_the_repository_does_not_hold():
+    """Every relative link of the README and docs names a file that exists; no file cites the design outside it."""
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), (page.name, target)
+    texts = [p.read_text() for p in pages + sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))]
+    assert not [t for t in texts if "DESIGN.md" in t]
