@@ -88,10 +88,10 @@ class BatchDecoder:
         self.now = clock(pair.device)
         kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
         rule_kernel.warm(pair.vocab)
-        head = policy if isinstance(policy, HeadPolicy) else getattr(self.control, "head", None)
+        head = policy if isinstance(policy, HeadPolicy) else self.control.head_policy()
         if isinstance(head, HeadPolicy):  # a policy's or a tree's head: trained for this draft and setting?
             head.bind(pair.identity("draft"), pair.config.sampling)
-        if getattr(policy, "needs_costs", False):  # a per-row CostAwareStop prices rounds at batch 1
+        if isinstance(policy, Policy) and policy.needs_costs:  # a per-row CostAwareStop prices rounds at batch 1
             policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
 
     @torch.no_grad()
@@ -110,7 +110,7 @@ class BatchDecoder:
             sizes = self.cost_sizes or table_sizes(n)
             typical = sorted(map(len, prompts))[n // 2] + max_new_tokens // 2
             ctl.set_batch_costs(batch_costs(self.pair, sizes, prefix=typical, max_len=ctl.max_len))
-        if getattr(ctl, "needs_tree_costs", False) and ctl.costs is None:  # a tree priced by width and node count
+        if ctl.needs_tree_costs and ctl.costs is None:  # a tree priced by width and node count
             ctl.set_tree_costs(tree_costs(self.pair, prompts[:8], nodes=ctl.nodes, width=min(16, ctl.nodes)))
         stats, t_start, ctx = Stats(), self.now(), self.pair.config.max_context
         eos = set(self.pair.eos_ids) if stop_at_eos else set()

@@ -73,9 +73,15 @@ class _RowStep(DraftStep):
 class BatchControl:
     """The batch decoder's drafting control (see the module docstring)."""
 
-    needs_hidden = False
-    reads_own_state = False
-    needs_batch_costs = False
+    needs_hidden = False  # the draft's cache keeps its hidden states (a head reads them)
+    reads_own_state = False  # a decision reads the state after the candidate (one more draft pass first)
+    needs_batch_costs = False  # the decoder hands it cost tables by batch size (set_batch_costs) before decoding
+    needs_tree_costs = False  # a tree shape priced by width and node count (set_tree_costs, decode.costs.tree_costs)
+
+    def head_policy(self):
+        """The exported head it reads beside its own (a decode.policies.HeadPolicy, which the decoder checks was
+        trained for the pair's draft and setting), or None."""
+        return None
 
     def start(self, n: int) -> None:
         """A request of n rows begins."""

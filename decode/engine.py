@@ -106,7 +106,7 @@ class SpeculativeDecoder:
                 return ok
 
             policy.peek = peek
-        own, needs_alpha, head = policy.reads_own_state, getattr(policy, "needs_alpha", False), isinstance(policy, HeadPolicy)
+        own, needs_alpha, head = policy.reads_own_state, policy.needs_alpha, isinstance(policy, HeadPolicy)
         # Greedy on the CPU: the argmax alone per candidate, and the round's one-hot rows built at once when it ends
         # (a (V,) one-hot per candidate cost 10 us right after each draft forward)
         want_q = not (s.temperature == 0 and logits.device.type == "cpu") or needs_alpha
@@ -197,7 +197,7 @@ class SpeculativeDecoder:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1], True)
             self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
         committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
-        if getattr(self.policy, "needs_plan", False):  # the hindsight oracle looks ahead, off the books
+        if self.policy.needs_plan:  # the hindsight oracle looks ahead, off the books
             t0 = self.now()
             self.policy.plan(self.pair, prompt_ids, max_new_tokens)
             stats.t_oracle += self.now() - t0

@@ -94,6 +94,9 @@ class HeadTree(TreeShape):
         self._progress = 1.0  # the last round's progress (tree_verified)
         self._fresh = True  # the request's first round is still to come
 
+    def head_policy(self) -> HeadPolicy:
+        return self.head
+
     def set_tree_costs(self, costs: CostModel) -> None:
         """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.tree_costs)."""
         self.costs, self._tables, self._priced = costs, {}, None

@@ -97,11 +97,19 @@ class DraftStep:
 
 
 class Policy:
+    """How far to draft, one round at a time (see the module). What a decoder asks of a policy is declared here:"""
+
     max_len: int = 20
+    # the decoder sets policy.peek(i) -> whether candidate i equals the target's token there (the greedy oracle)
     needs_target_peek = False
     needs_hidden = False  # the engine asks the draft for hidden states only when True
     reads_own_state = False  # stop() needs the state after reading the candidate (one more draft pass)
     needs_costs = False  # the decoder hands it the machine's step costs (set_costs) before decoding
+    # evaluation's ceilings only (decode.evaluation.ceilings), computed off the books and timed apart (t_oracle):
+    # each DraftStep carries the candidate's true acceptance probability (step.alpha), and before a generation the
+    # decoder calls plan(pair, prompt_ids, max_new_tokens)
+    needs_alpha = False
+    needs_plan = False
 
     def reset(self) -> None:
         pass
