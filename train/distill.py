@@ -36,6 +36,8 @@ import yaml
 from decode.pair import ROOT, ModelSpec, load_model
 from decode.prompting import encode
 
+ROWS = 32  # prompts the target answers in one batch
+
 
 @dataclass
 class Recipe:
@@ -150,30 +152,21 @@ def _write_gz(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
 
 
-@torch.no_grad()
-def answer(target, tokenizer, prompts: list[list[int]], setting: dict, max_new: int, seed: int) -> list[list[int]]:
-    """The target's answers to a batch of prompt ids (left-padded generate(), stopping at its EOS ids)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    torch.manual_seed(seed)
-    t = setting.get("temperature", 1.0)
-    sample = dict(do_sample=True, temperature=t, top_p=setting.get("top_p", 1.0), top_k=setting.get("top_k", 0)) \
-        if t > 0 else dict(do_sample=False)
-    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=pad, **sample)
-    eos = set(eos_of(target, tokenizer))
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, x in enumerate(row) if x in eos), len(row))
-        answers.append(row[:cut])
-    return answers
+def answer(pair, prompts: list[list[int]], setting: dict, max_new: int, seed: int) -> list[list[int]]:
+    """The target's answers to a batch of prompt ids under a sampling setting, each through its EOS (row i drawing
+    from its own stream, seed + i): the project's batched target-alone loop (decode.batch.BatchAutoregressive)."""
+    from decode.batch import BatchAutoregressive
+
+    sampled = pair.with_sampling(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **setting})
+    return [g.tokens for g in BatchAutoregressive(sampled, seed=seed).generate(prompts, max_new)]
 
 
-def eos_of(target, tokenizer) -> tuple[int, ...]:
-    from decode.pair import eos_ids
+def teacher_pair(target, tokenizer, spec: ModelSpec, context: int):
+    """The target as a decode.pair.Pair of itself: what the batched loop answers with."""
+    from decode.pair import Pair, PairConfig
 
-    return eos_ids(target, tokenizer)
+    cfg = PairConfig(name="distill-teacher", draft=spec, target=spec, chat_template=True, max_context=context)
+    return Pair(cfg, target, target, tokenizer, len(tokenizer))
 
 
 def batch_of(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -246,6 +239,7 @@ class Run:
         self.target = load_model(spec)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.resolved())
         self.vocab = len(self.tokenizer)
+        self.pair = teacher_pair(self.target, self.tokenizer, spec, recipe.max_prompt_tokens + recipe.max_new_tokens)
         self.draft = make_draft(self.target, recipe.layers)
         self.opt = torch.optim.AdamW([p for n, p in self.draft.named_parameters() if n in self.draft.draft_weights],
                                      lr=recipe.lr, weight_decay=0.0)
@@ -259,14 +253,14 @@ class Run:
             dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
             log(f"the target answers {len(dev)} dev instructions (greedy), once, for the learning curve")
             rows = []
-            for i in range(0, len(dev), 16):
-                rows += self.answered(dev[i: i + 16], {"temperature": 0.0}, recipe.seed)
+            for i in range(0, len(dev), ROWS):
+                rows += self.answered(dev[i: i + ROWS], {"temperature": 0.0}, recipe.seed)
             self.dev.add(rows)
 
     def answered(self, chunk: list[tuple[str, str]], setting: dict, seed: int) -> list[dict]:
         """(id, text) instructions -> stored rows of the target's answers, prompts in the chat template."""
         ids = [encode(self.tokenizer, text, True, self.recipe.max_prompt_tokens) for _, text in chunk]
-        got = answer(self.target, self.tokenizer, ids, setting, self.recipe.max_new_tokens, seed)
+        got = answer(self.pair, ids, setting, self.recipe.max_new_tokens, seed)
         return [{"id": k, "setting": setting_name(setting), "prompt": p, "answer": a}
                 for (k, _), p, a in zip(chunk, ids, got)]
 
@@ -314,8 +308,8 @@ class Run:
         setting = r.settings[self.cycle % len(r.settings)]
         name = setting_name(setting)
         rows = []
-        for i in range(0, len(chunk), 16):
-            rows += self.answered(chunk[i: i + 16], setting, r.seed + self.cycle * 1000 + i)
+        for i in range(0, len(chunk), ROWS):
+            rows += self.answered(chunk[i: i + ROWS], setting, r.seed + self.cycle * 1000 + i)
         self.answers.add(rows)
         made = sum(len(x["answer"]) for x in rows)
         t1 = time.time()
