@@ -25,6 +25,7 @@ from decode.costs import clock, head_cost, measure_costs, tree_costs
 from decode.generation import Generation, Stats, check_prompts
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
+from decode.rounds import Round
 from decode.rowcache import RowCache, compaction
 from decode.rules import Rule, greedy_rows
 from decode.sampling import argmax, pick_rows, transform
@@ -134,8 +135,8 @@ class BatchDecoder:
             # step is a chain of no candidates, whatever the control
             k = ctl.begin(len(rows), limits)
             round_ = tree_round if k and isinstance(ctl, TreeShape) else self._chain_round
-            done = round_(ctl, self.pair.config.sampling, self.now, draft, target, rows, text, streams, limits, first,
-                          stats, k)
+            done = round_(Round(ctl, self.pair.config.sampling, self.now, draft, target, rows, text, streams, limits,
+                                first, stats, k))
             first = None  # the prefill's logits serve the first round alone
             if done:
                 for i in done:
@@ -152,11 +153,13 @@ class BatchDecoder:
         self.peak_bytes = draft.peak_bytes + target.peak_bytes
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
 
-    def _chain_round(self, ctl: BatchControl, sampling, now, draft: RowCache, target: RowCache, rows, text: Texts,
-                     streams: Streams, limits, first, stats, k: int) -> list[int]:
-        """One round of chains (tree_round's signature): each row drafts up to k candidates (the control decides how
-        far), the target verifies, the caches keep the accepted text -> the batch positions of rows done."""
-        k_max = min(k, max(limits))
+    def _chain_round(self, r: Round) -> list[int]:
+        """One round of chains (as decode.tree.tree_round, a tree's): each row drafts up to r.depth candidates (the
+        control decides how far), the target verifies, the caches keep the accepted text -> the batch positions of
+        rows done."""
+        ctl, draft, target, rows, text, streams, limits, first, stats = (
+            r.control, r.draft, r.target, r.rows, r.text, r.streams, r.limits, r.first, r.stats)
+        k_max = min(r.depth, max(limits))
         if k_max:
             k_max = self._fit(draft, target, rows, text, k_max)
         tokens, q, read = self._draft(draft, rows, text, streams, limits, k_max, stats)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from decode.labels import sibling_tests
+from decode.rounds import Round
 from decode.rowcache import RowCache
 from decode.sampling import argmax, as_numpy, sample, transform
 from decode.streams import Streams
@@ -112,12 +113,13 @@ def without_replacement(q: torch.Tensor, counts: list[int], u: list[float]) -> l
     return out
 
 
-def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, streams: Streams, limits: list[int],
-         sampling, stats, now, most: int = 64) -> list[RowTree]:
-    """Each row's tree, grown level by level (up to `levels`) from its pending token: the draft reads the row's unread
+def grow(r: Round, most: int = 64) -> list[RowTree]:
+    """Each row's tree, grown level by level (up to r.depth) from its pending token: the draft reads the row's unread
     text and the root in one forward, then each level's expanded nodes in one forward each. Under sampling a row
     draws at most `most` nodes, in drafting order: the tree it draws is the tree the target verifies."""
-    greedy = sampling.temperature == 0
+    shape, levels, draft, rows, text, limits, stats, now = (r.control, r.depth, r.draft, r.rows, r.text, r.limits,
+                                                            r.stats, r.now)
+    greedy = r.sampling.temperature == 0
     unread = [text.committed[r][int(x):] + [text.pending[r]] for r, x in zip(rows, draft.length)]
     t0 = now()
     logits, hidden = draft.feed(unread)
@@ -131,7 +133,7 @@ def grow(shape: TreeShape, levels: int, draft: RowCache, rows: list[int], text, 
     counts = [_within(t, shape.children(0, t, [0])) for t in trees]  # how many children each frontier node gets
     for level in range(levels):
         t0 = now()
-        new = _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams)
+        new = _draw(r, level, trees, frontier, counts, raw, state)
         stats.t_sample += now() - t0
         if level + 1 >= levels:
             break
@@ -162,10 +164,12 @@ def _within(tree: RowTree, counts: list[int]) -> list[int]:
     return out
 
 
-def _draw(shape, level, trees, frontier, counts, raw, state, sampling, greedy, streams) -> list[list[int]]:
+def _draw(r: Round, level: int, trees: list[RowTree], frontier: list[list[int]], counts: list[list[int]], raw, state
+          ) -> list[list[int]]:
     """Add each frontier node's children (counts) to its tree -> each row's new nodes. Greedy: the draft's top
     choices; sampling: draws without replacement from q (row r's uniforms from its own stream, one per child). The
     shape weighs them (TreeShape.weigh: the draft's probabilities unless it asks a head)."""
+    shape, sampling, streams, greedy = r.control, r.sampling, r.streams, r.sampling.temperature == 0
     new: list[list[int]] = [[] for _ in trees]
     counts = [[min(m, raw.shape[-1]) for m in c] for c in counts]  # no node has more children than tokens exist
     at = [(b, j) for b, c in enumerate(counts) for j, m in enumerate(c) if m]
@@ -351,18 +355,19 @@ def check_tree(pair, rule) -> None:
                          f"{pair.config.sampling.temperature:g}")
 
 
-def tree_round(shape: TreeShape, s, now, draft: RowCache, target: RowCache, rows: list[int], text, streams: Streams,
-               limits: list[int], first: torch.Tensor | None, stats, levels: int) -> list[int]:
-    """One tree round for every row (decode.batch.BatchDecoder, once the shape's begin chose to draft `levels` > 0
+def tree_round(r: Round) -> list[int]:
+    """One tree round for every row (decode.batch.BatchDecoder, once the shape's begin chose to draft r.depth > 0
     levels): grow, score, walk, keep -> the batch positions of rows done. Where a model bounds the cache's width, its
     rows pack first and a row verifies at most what fits."""
+    shape, s, now, draft, target, rows, text, streams, first, stats = (
+        r.control, r.sampling, r.now, r.draft, r.target, r.rows, r.text, r.streams, r.first, r.stats)
     t_round, t_models = now(), stats.t_draft + stats.t_target
     most = getattr(shape, "nodes", 64)
     fit = max(1, min(most, target.room(most + 1) - 1))
     unread = max(len(text.committed[r]) + 1 - int(x) for r, x in zip(rows, draft.length))  # the draft's first read
     draft.room(unread + most)
     t_grow, t_drafting = now(), stats.t_draft
-    trees = grow(shape, levels, draft, rows, text, streams, limits, s, stats, now, fit)
+    trees = grow(r, fit)
     t_grown = stats.t_draft
     grow_host = now() - t_grow - (t_grown - t_drafting)
     trees = [t.subtree(_kept(shape, t, fit)) for t in trees]

@@ -141,10 +141,10 @@ def test_prompts_of_any_plausible_type_work_or_are_refused_in_one_line(pycode):
 
 
 def test_tree_shapes_refuse_bad_sizes_in_one_line():
-    for make, message in ((lambda: StaticTree([0, 1]), "a static tree is a list of rank paths"),
-                          (lambda: StaticTree([[-1]]), "a static tree is a list of rank paths"),
+    for make, message in ((lambda: StaticTree([0, 1]), "StaticTree's paths are a list of rank paths"),
+                          (lambda: StaticTree([[-1]]), "StaticTree's paths are a list of rank paths"),
                           (lambda: SequoiaTree(0.7), "SequoiaTree's accept is the positional acceptance vector"),
-                          (lambda: SequoiaTree([0.5, 0.0]), "each entry in \\(0, 1\\]"),
+                          (lambda: SequoiaTree([0.5, 0.0]), "each in \\(0, 1\\]"),
                           (lambda: SequoiaTree([0.5], depth=0), "SequoiaTree needs depth to be a whole number"),
                           (lambda: ConfidenceTree(top_k=2.5), "ConfidenceTree needs top_k to be a whole number")):
         with pytest.raises(ValueError, match=message):
