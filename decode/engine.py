@@ -108,7 +108,7 @@ class SpeculativeDecoder:
             policy.peek = peek
         own, needs_alpha, head = policy.reads_own_state, policy.needs_alpha, isinstance(policy, HeadPolicy)
         # Greedy on the CPU: the argmax alone per candidate, and the round's one-hot rows built at once when it ends
-        # (a (V,) one-hot per candidate cost 10 us right after each draft forward)
+        # (a (V,) one-hot per candidate, right after each draft forward, cost more: docs/engine.md)
         want_q = not (s.temperature == 0 and logits.device.type == "cpu") or needs_alpha
         while True:
             t0 = self.now()
@@ -151,7 +151,7 @@ class SpeculativeDecoder:
     def _verify(self, tokens: list[int], qs: list, logits: torch.Tensor, stats: Stats) -> tuple[int, int]:
         """The rule's verdict on the round -> (accepted, next token), timed as the rule. A rule that is greedy
         matching under a greedy target (Rule.matches_greedily) reads the target's argmax alone: the one-hot
-        distributions it would otherwise be handed decide nothing more (170 us a round at k = 7 here)."""
+        distributions it would otherwise be handed decide nothing more."""
         s = self.pair.config.sampling
         if self.rule.decides_by_argmax(s):
             t0 = self.now()

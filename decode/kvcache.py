@@ -9,10 +9,9 @@ and the attention see the true length) with the storage of a static cache: the c
 view into a buffer with spare room, new positions are written in place, and the buffer doubles when
 full. Cropping shortens the view; the next update overwrites what was cut.
 
-Where it pays (2 threads here, median ms per cached forward of one new token after a 380-token prefix):
-at batch 16 the target's step went from 65 to 46 ms and the draft's from 7.5 to 5.9, so labelling
-(data_gen, batched) uses it. At batch 1 the copy is small and the two are within a few percent either
-way (target 15.6 vs 15.1, draft 3.0 vs 3.3 after a 100-token prefix), so the decoder keeps DynamicCache.
+Where it pays: in batches, where a DynamicCache's concatenation copies every row, so labelling (data_gen,
+batched) uses it. At batch 1 the copy is small and the two are within a few percent either way, so the decoder
+keeps DynamicCache (docs/engine.md, "Measured fast paths").
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def one_hot(p: torch.Tensor) -> bool:
     """
     if p.device.type != "cpu":  # one bool crosses to the host, not the (k + 1, V) rows
         return bool(((p > 0).sum(-1) == 1).all())
-    return bool(((as_numpy(p) > 0).sum(-1) == 1).all())  # numpy: 10 us on (5, 4096), torch 21
+    return bool(((as_numpy(p) > 0).sum(-1) == 1).all())  # numpy: about half torch's time on (5, 4096)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,7 @@
     verdicts = speculative_rows(p, q, tokens, us)  # each row's (accepted, next token)
 
 The tensor path (decode.rules.SpeculativeSampling.verify_rows) runs about 20 tensor ops a round, each on caches the
-target's forward left cold: 300 us a round at batch 1 and 750 at batch 8 at T = 1 on the embedded pair, 3.5-4.5% of
-the wall. This does the same work with no temporaries: each row's alphas and accept tests, then one inverse-CDF pass
+target's forward left cold, a few percent of the wall on the embedded pair (docs/batch.md). This does the same work with no temporaries: each row's alphas and accept tests, then one inverse-CDF pass
 over its law (its bonus p, or norm(max(0, p - q)) at its rejection, p where that has no mass). It reads the same
 uniforms the tensor path reads, so the two give the same verdicts (tests/test_kernels.py); without numba the
 tensor path serves.

@@ -34,9 +34,9 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (...) int64 index of the first maximum of each row, as torch.argmax(-1) gives.
 
-    numpy's argmax over the last dimension took 1.7 us on a (5, 4096) tensor here where torch's took 27
-    (6.4 against 1.6 on one row, 4.1 against 0.9 ms on (16, 96, 4096)): a greedy round takes it once per
-    candidate and once over the k + 1 verified rows.
+    On the CPU numpy's argmax over the last dimension is several times faster than torch's on decoding's small
+    tensors (docs/engine.md, "Measured fast paths"), and a greedy round takes it once per candidate and once over
+    the k + 1 verified rows.
     """
     if x.device.type != "cpu":  # the numpy path is for CPU tensors only: a GPU's argmax stays on the GPU
         return x.argmax(-1)
@@ -46,8 +46,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def as_numpy(x: torch.Tensor) -> np.ndarray:
     """A float tensor's values as a numpy array: a view for float32/64 on the CPU, else a float32 copy.
 
-    Decoding calls it per draft token right after a forward, where detach() and cpu() cost 9 us together: a CPU
-    tensor that needs no gradient is read as it is."""
+    Decoding calls it per draft token right after a forward, where detach() and cpu() are measurable (docs/engine.md):
+    a CPU tensor that needs no gradient is read as it is."""
     if x.device.type != "cpu" or x.requires_grad:
         x = x.detach().cpu()
     return x.numpy() if x.dtype in (torch.float32, torch.float64) else x.float().numpy()
@@ -71,8 +71,8 @@ def pick(logits: torch.Tensor, s: Sampling, generator: Streams | torch.Generator
     """(V,) logits -> the next token and (V,) its distribution under s, as decoding reads them.
 
     Greedy: the argmax and its one-hot (None unless want_q), found in one pass with nothing drawn, all in numpy
-    on the CPU (27 us right after a draft forward here, where torch's transform and argmax took 64 to 70: the first
-    calls after a forward run on cold caches, and numpy's paths are shorter); else a draw from transform.
+    on the CPU (the first calls after a forward run on cold caches, and numpy's paths are shorter: docs/engine.md);
+    else a draw from transform.
     """
     if s.temperature == 0 and logits.device.type == "cpu":
         tok = int(as_numpy(logits).argmax())
@@ -90,8 +90,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
     A token stays while the mass of the tokens before it (in descending order) is below top_p, so
     the top token always stays. Only the kept count is needed, so the values are sorted without
-    their indices, in numpy: torch's sort of one 4096-row took ~0.3 ms here, half a draft step's
-    budget per token. Tokens tied with the last kept one are kept as well.
+    their indices, in numpy, which sorts a row faster than torch does (docs/engine.md). Tokens tied with the last kept one are kept as well.
     """
     if probs.device.type != "cpu":  # the same rule in torch, on the tensor's device
         desc = probs.sort(-1, descending=True).values
@@ -109,11 +108,8 @@ def sample(probs: torch.Tensor, generator: Streams | torch.Generator | None = No
     """(..., V) probabilities -> (...) token ids, one uniform per row from `generator` (decode.streams' Streams: one
     stream per row) or the (rows, 1) float64 uniforms u, drawn by the caller.
 
-    Inverse CDF: the first token whose running mass exceeds u times the total. Over a 4096-token
-    vocabulary torch.multinomial took 192 us a draw here and this takes 122 (an isolated loop); in
-    the target-alone loop the draw went from 0.32 to 0.21 ms a token, and the forward that follows
-    it was no longer slower than under greedy decoding (15.0 and 14.5 ms a token with multinomial
-    at T = 1 and greedy). The sums are in float64, so a token's share of [0, total) is its
+    Inverse CDF: the first token whose running mass exceeds u times the total, cheaper than
+    torch.multinomial, which also slowed the forward after it (docs/engine.md). The sums are in float64, so a token's share of [0, total) is its
     probability to about 1e-16. Tokens of zero mass add an empty interval and are never drawn.
     """
     flat = probs.detach().reshape(-1, probs.shape[-1]).double()
