@@ -92,7 +92,7 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
         check_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
     import torch
 
-    from decode.engine import Decoder
+    from decode.engine import SpeculativeDecoder
     from decode.pair import load_pair
 
     torch.set_num_threads(threads)
@@ -102,7 +102,7 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
     policy = policy or (SpecDecPP(head, h=0.7) if head else FixedK(4))
     if allow_sampling_mismatch and isinstance(policy, HeadPolicy):
         policy.allow_sampling_mismatch = True
-    dec = Decoder(p, policy, rule or SpeculativeSampling(), seed=seed)
+    dec = SpeculativeDecoder(p, policy, rule or SpeculativeSampling(), seed=seed)
     ids = p.encode(prompt)
     sys.stdout.write(prompt)
     stream = TextStream(p.tokenizer, sys.stdout)

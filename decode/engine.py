@@ -1,8 +1,10 @@
-"""Speculative decoding engine: a drafting policy and a verification rule over a draft/target pair.
+"""The one-sequence loop: a drafting policy and a verification rule over a draft/target pair, one prompt at a time.
 
 Both models keep a KV cache that covers every committed token but the last ("pending")
 one; after each round the caches are cropped back to the accepted text, never recomputed.
-Batch size 1; the caches and tensors are (1, ...) so batching can come later.
+Rows of a batch decode in decode.batch; a token tree goes there too, as a batch of one row. This loop stays
+apart because it is leaner at one sequence (no row bookkeeping), and its chain rounds are the reference the
+batched ones are held to (tests/test_batch.py).
 
 Devices: input ids go to each model's input device, logits meet on the pair's device (Pair.logits), random
 draws come from a generator on that device, and every clock read on a GPU waits for its queued work first.
@@ -274,4 +276,3 @@ class Autoregressive:
         return Generation(out, self.pair.tokenizer.decode(out), stats)
 
 
-Decoder = SpeculativeDecoder  # the public name: Decoder(pair, policy, rule).generate(prompt_ids, n)

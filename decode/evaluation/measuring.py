@@ -10,7 +10,7 @@ import numpy as np
 from tqdm import tqdm
 
 from decode.costs import CostModel
-from decode.engine import Autoregressive, Decoder, Stats
+from decode.engine import Autoregressive, SpeculativeDecoder, Stats
 from decode.evaluation.bench_config import Method, build
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.quality import quality
@@ -33,7 +33,7 @@ def generator_for(pair: Pair, m: Method):
             return g.tokens, g.stats
 
         return alone
-    dec = Decoder(pair, build(m.policy), build(m.rule), seed=0)
+    dec = SpeculativeDecoder(pair, build(m.policy), build(m.rule), seed=0)
 
     def run(ids, n, seed):
         dec.gen = Streams([seed], pair.device)  # the seed's stream, as a decoder made with it draws
