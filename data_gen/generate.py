@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data_gen.scores import PositionScores
-from decode.kvcache import forward, new_cache
+from decode.cache.kv import forward, new_cache
 from decode.pair import Pair
 from decode.sampling import transform
 

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
-from decode.kvcache import crop_cache, forward
+from decode.cache.kv import crop_cache, forward
 from decode.labels import position_stats
 from decode.pair import Pair
 from decode.sampling import transform

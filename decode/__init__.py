@@ -9,9 +9,9 @@ so `python -m decode` can set its defaults first). Where each lives:
 - the pair: decode.pair (load_pair, Pair, PairConfig, Sampling), GGUF files through decode.gguf;
 - the loops: decode.engine (SpeculativeDecoder, Autoregressive: one sequence), decode.batch (BatchDecoder,
   BatchAutoregressive: rows);
-- how far to draft: decode.policies (per round), decode.batch_control (per batch), token tree shapes in
-  decode.tree_shapes and decode.head_tree;
-- verification: decode.rules;
+- how far to draft: decode.policies (per round), decode.control (per batch), token tree shapes in
+  decode.tree.shapes and decode.tree.head;
+- verification: decode.rules.chain;
 - Hugging Face assisted generation driven by a head: decode.hf.specdecpp_assistant.
 """
 
@@ -23,13 +23,13 @@ _WHERE = {
     "decode.pair": ["load_pair", "Pair", "PairConfig", "Sampling", "ModelSpec", "VocabularyMismatch"],
     "decode.engine": ["SpeculativeDecoder", "Autoregressive"],
     "decode.batch": ["BatchDecoder", "BatchAutoregressive"],
-    "decode.generation": ["Generation", "Stats"],
-    "decode.rules": ["Rule", "GreedyMatch", "SpeculativeSampling", "FSD", "FLy", "SprinterCheck"],
+    "decode.results": ["Generation", "Stats"],
+    "decode.rules.chain": ["Rule", "GreedyMatch", "SpeculativeSampling", "FSD", "FLy", "SprinterCheck"],
     "decode.policies": ["Policy", "FixedK", "DraftConfidence", "AdaEDL", "SpecDecPP", "CostAwareStop", "RenewalStop",
                         "SprinterVerifier", "HeadPolicy"],
-    "decode.batch_control": ["BatchControl", "PerRow", "BatchSizeK", "BatchCostAware"],
-    "decode.tree_shapes": ["TreeShape", "StaticTree", "SequoiaTree", "ConfidenceTree"],
-    "decode.head_tree": ["HeadTree"],
+    "decode.control": ["BatchControl", "PerRow", "BatchSizeK", "BatchCostAware"],
+    "decode.tree.shapes": ["TreeShape", "StaticTree", "SequoiaTree", "ConfidenceTree"],
+    "decode.tree.head": ["HeadTree"],
     "decode.hf": ["specdecpp_assistant"],
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}

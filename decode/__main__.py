@@ -6,7 +6,7 @@
     python -m decode compare docs/bench/bench.csv runs/bench2/bench.csv
     python -m decode batch-bench --config configs/bench/batch.yaml
 
-Policies (decode.policies) and rules (decode.rules) are chosen by class name or class_path,
+Policies (decode.policies) and rules (decode.rules.chain) are chosen by class name or class_path,
 with their typed init arguments; `--head DIR` alone means SpecDec++ stopping with that head.
 Every command first fixes glibc's malloc thresholds (decode.allocator; SPECHEADS_MALLOC=default keeps them).
 """
@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from decode.allocator import steady_heap  # noqa: E402
 from decode.policies import FixedK, HeadPolicy, Policy, SpecDecPP  # noqa: E402
-from decode.rules import Rule, SpeculativeSampling  # noqa: E402
+from decode.rules.chain import Rule, SpeculativeSampling  # noqa: E402
 
 
 class BadOption(ValueError):
@@ -164,7 +164,7 @@ def main() -> None:
 
         return batch_bench(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "batch-costs":
-        from decode.batch_costs import main as batch_costs
+        from decode.costs.batch import main as batch_costs
 
         return batch_costs(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "summary":

@@ -2,11 +2,11 @@
 
     gens = BatchDecoder(pair, FixedK(4), SpeculativeSampling()).generate([ids_a, ids_b, ids_c], max_new_tokens=64)
 
-KV caches: decode.rowcache.RowCache rolls each row back to the text it keeps after verification by masking what it
+KV caches: decode.cache.rows.RowCache rolls each row back to the text it keeps after verification by masking what it
 drops (holes no later query reads, packed now and then; a sliding-window model packs at once).
 
 Rows never leak into each other: each row draws from its own generator (seed + its index in the request), and a
-decode.policies policy is copied per row (decode.batch_control.PerRow: each copy keeps its row's state); a head's
+decode.policies policy is copied per row (decode.control.PerRow: each copy keeps its row's state); a head's
 probabilities come from one forward over the rows per step. A finished row (EOS or budget) leaves the batch's work.
 The verification rules are the engine's (Rule.verify_rows: each row's slice, greedy rules in one argmax).
 Host reads: one per draft step (the rows' candidates) and one per verification.
@@ -14,25 +14,23 @@ Host reads: one per draft step (the rows' candidates) and one per verification.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from decode import rule_kernel
-from decode.batch_control import BatchControl, RowsStep, control_of
-from decode.batch_costs import batch_costs, table_sizes
-from decode.costs import clock, head_cost, measure_costs, tree_costs
-from decode.generation import Generation, Stats, check_prompts
+from decode.cache.rows import RowCache, compaction
+from decode.clock import clock
+from decode.control import BatchControl, RowsStep, control_of
+from decode.costs.batch import batch_costs, table_sizes
+from decode.costs.model import tree_costs
 from decode.pair import Pair
 from decode.policies import HeadPolicy, Policy
-from decode.rounds import Round
-from decode.rowcache import RowCache, compaction
-from decode.rules import Rule, greedy_rows
+from decode.results import Generation, Stats, check_prompts
+from decode.rounds import Round, Texts, prepare, round_limit
+from decode.rules.chain import Rule, greedy_rows
+from decode.rules.tree import check_tree
 from decode.sampling import argmax, pick_rows, transform
 from decode.streams import Streams
-from decode.tree import check_tree, tree_round
-from decode.tree_shapes import TreeShape
-from heads import kernels
+from decode.tree.round import tree_round
+from decode.tree.shapes import TreeShape
 
 
 def row_streams(pair: Pair, seed: int, n: int) -> Streams:
@@ -41,42 +39,11 @@ def row_streams(pair: Pair, seed: int, n: int) -> Streams:
     return Streams(range(seed, seed + n), pair.device)
 
 
-@dataclass
-class Texts:
-    """Each request's text as its batch decodes it: committed (what the caches keep), pending (its next token, which
-    the target reads with the round's candidates), out (what it emitted), its end tokens and token budget."""
-
-    committed: list[list[int]]
-    pending: list[int]
-    out: list[list[int]]
-    eos: set[int]
-    budget: int
-
-    def commit(self, r: int, accepted: list[int], nxt: int) -> bool:
-        """Request r keeps its pending token and accepted candidates and emits them and nxt -> whether it ended."""
-        self.committed[r] += [self.pending[r]] + accepted
-        new = accepted + [nxt]
-        end = next((j for j, t in enumerate(new) if t in self.eos), None)
-        self.out[r] += new[: None if end is None else end + 1]
-        self.pending[r] = nxt
-        if end is not None or len(self.out[r]) >= self.budget:
-            self.out[r] = self.out[r][: self.budget]
-            return True
-        return False
-
-    def step(self, r: int, nxt: int) -> bool:
-        """commit(r, [], nxt) of a plain target step, as lean as the target alone's."""
-        self.committed[r].append(self.pending[r])
-        self.out[r].append(nxt)
-        self.pending[r] = nxt
-        return nxt in self.eos or len(self.out[r]) >= self.budget
-
-
 class BatchDecoder:
     """generate(prompts) over a batch with a drafting control and a rule; returns one Generation per prompt, in order.
 
-    policy: a decode.policies policy (copied per row, decode.batch_control.PerRow) or a BatchControl.
-    cost_sizes: the batch sizes a BatchCostAware control's cost tables are measured at (decode.batch_costs; None:
+    policy: a decode.policies policy (copied per row, decode.control.PerRow) or a BatchControl.
+    cost_sizes: the batch sizes a BatchCostAware control's cost tables are measured at (decode.costs.batch; None:
     table_sizes of the request's size).
     """
 
@@ -87,13 +54,9 @@ class BatchDecoder:
             check_tree(pair, rule)
         self.pair, self.policy, self.rule, self.seed, self.cost_sizes = pair, policy, rule, seed, cost_sizes
         self.now = clock(pair.device)
-        kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
-        rule_kernel.warm(pair.vocab)
-        head = policy if isinstance(policy, HeadPolicy) else self.control.head_policy()
-        if isinstance(head, HeadPolicy):  # a policy's or a tree's head: trained for this draft and setting?
-            head.bind(pair.identity("draft"), pair.config.sampling)
-        if isinstance(policy, Policy) and policy.needs_costs:  # a per-row CostAwareStop prices rounds at batch 1
-            policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
+        # a policy's or a control's head (a tree's, the controller's own); a per-row CostAwareStop prices rounds at
+        # batch 1
+        prepare(pair, policy, policy if isinstance(policy, HeadPolicy) else self.control.head_policy())
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, stop_at_eos: bool = True,
@@ -130,7 +93,7 @@ class BatchDecoder:
         ctl.start(n)
         while rows:
             t_round = self.now()
-            limits = [max(1, min(max_new_tokens - len(text.out[r]), ctx - len(text.committed[r]) - 2)) for r in rows]
+            limits = [round_limit(max_new_tokens - len(text.out[r]), len(text.committed[r]), ctx) for r in rows]
             # the control chooses how far to draft (a tree shape prices this many rows' forwards); a plain target
             # step is a chain of no candidates, whatever the control
             k = ctl.begin(len(rows), limits)
@@ -154,7 +117,7 @@ class BatchDecoder:
         return [Generation(o, self.pair.tokenizer.decode(o), Stats(new_tokens=len(o), wall=e)) for o, e in zip(text.out, ends)]
 
     def _chain_round(self, r: Round) -> list[int]:
-        """One round of chains (as decode.tree.tree_round, a tree's): each row drafts up to r.depth candidates (the
+        """One round of chains (as decode.tree.round.tree_round, a tree's): each row drafts up to r.depth candidates (the
         control decides how far), the target verifies, the caches keep the accepted text -> the batch positions of
         rows done."""
         ctl, draft, target, rows, text, streams, limits, first, stats = (

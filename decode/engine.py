@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from decode import rule_kernel
 from decode.batch import BatchDecoder
-from decode.costs import clock, head_cost, measure_costs
-from decode.generation import Generation, Stats, check_prompt, check_prompts  # noqa: F401  (re-exported)
-from decode.kvcache import crop_cache, forward, rollback_cache
+from decode.cache.kv import crop_cache, forward, rollback_cache
+from decode.clock import clock
 from decode.labels import accept_prob
 from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
-from decode.rules import Rule, greedy_rows
+from decode.results import Generation, Stats, check_prompt, check_prompts  # noqa: F401  (re-exported)
+from decode.rounds import prepare, round_limit
+from decode.rules.chain import Rule, greedy_rows
 from decode.sampling import one_hots, pick, transform
 from decode.streams import Streams
-from decode.tree_shapes import TreeShape
-from heads import kernels
+from decode.tree.shapes import TreeShape
 
 
 class Runner:
@@ -73,12 +72,7 @@ class SpeculativeDecoder:
         if self.rows is not None:
             return
         self.now = clock(pair.device)
-        kernels.warm(pair.vocab)  # the draft's softmax scalars, compiled before any timed step
-        rule_kernel.warm(pair.vocab)
-        if isinstance(policy, HeadPolicy):
-            policy.bind(pair.identity("draft"), pair.config.sampling)
-        if policy.needs_costs:
-            policy.set_costs(*measure_costs(pair), head_ms=head_cost(pair))  # a policy with no head prices none
+        prepare(pair, policy, policy if isinstance(policy, HeadPolicy) else None)
 
     def _timed(self, which: str, stats: Stats, fn, *args):
         t0 = self.now()
@@ -132,7 +126,7 @@ class SpeculativeDecoder:
             t0, t_oracle = self.now(), stats.t_oracle
             stop = policy.stop(step)
             stats.t_head += self.now() - t0 - (stats.t_oracle - t_oracle)
-            if head:  # the cost model prices each head decision (decode.costs.CostModel.head)
+            if head:  # the cost model prices each head decision (decode.costs.model.CostModel.head)
                 draft.calls.append(("head", 1))
             if stop:
                 return tokens, qs
@@ -206,7 +200,7 @@ class SpeculativeDecoder:
         self.policy.start()
         while len(out) < max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).
-            limit = max(1, min(max_new_tokens - len(out), self.pair.config.max_context - len(committed) - 2))
+            limit = round_limit(max_new_tokens - len(out), len(committed), self.pair.config.max_context)
             tokens, qs = self._draft_round(draft, committed + [pending], stats, limit)
             logits, _ = self._timed("t_target", stats, target.feed, [pending] + tokens)
             stats.target_calls += 1

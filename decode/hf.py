@@ -122,7 +122,7 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
                         allow_sampling_mismatch: bool = False, costs: tuple | None = None):
     """A copy of `draft` for `generate(assistant_model=...)` whose drafting stops by an exported head.
 
-    costs: the machine's step costs in ms, as decode.costs.measure_costs(pair) returns them (a draft step and
+    costs: the machine's step costs in ms, as decode.costs.model.measure_costs(pair) returns them (a draft step and
     the target's verify time per number of tokens) or as a line (draft step, target forward of one token, each
     further verified token): the cost-aware stop (decode.policies.CostAwareStop) replaces SpecDec++'s threshold
     h. Refuses (HeadMismatch) a head trained for another draft; the sampling setting is checked at the first

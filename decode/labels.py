@@ -98,7 +98,7 @@ def sibling_tests(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> tuple[to
     q without replacement (-1: none) -> (N, m) the chance child j is accepted once the children before it were
     rejected, min(1, r_j(x_j) / q_j(x_j)), and (N, V) the law r_{m+1} the token comes from once all are rejected;
     r_1 = p, r_{j+1} = norm(max(r_j - q_j, 0)), q_j = q with x_1..x_{j-1} removed and renormalised.
-    Token trees decide with it (decode.tree) and data_gen labels siblings with it (sibling_labels)."""
+    Token trees decide with it (decode.tree.round) and data_gen labels siblings with it (sibling_labels)."""
     r, alpha = p, torch.zeros(x.shape, dtype=p.dtype, device=p.device)
     for j in range(x.shape[1]):
         has, xj = x[:, j] >= 0, x[:, j:j + 1].clamp_min(0)

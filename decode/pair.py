@@ -240,7 +240,7 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=
     if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
         model.to(device)
     model.eval().requires_grad_(False)
-    # Decoding feeds one sequence unpadded, or a padded batch with its mask (decode.rowcache): a lone EOS token fed
+    # Decoding feeds one sequence unpadded, or a padded batch with its mask (decode.cache.rows): a lone EOS token fed
     # to a model whose pad id is the EOS id is not padding, and transformers' "we strongly recommend passing an
     # attention_mask" line (printed the first time a response holds one) would only bury the project's own lines.
     from transformers import PreTrainedModel
@@ -290,7 +290,7 @@ def load_pair(config: PairConfig | str | Path, device: torch.device | str | None
     """
     from transformers.utils import logging as hf_logging
 
-    from decode.kvcache import check_servable
+    from decode.cache.kv import check_servable
 
     hf_logging.disable_progress_bar()
     cfg = config if isinstance(config, PairConfig) else PairConfig.from_yaml(config)

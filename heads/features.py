@@ -16,7 +16,7 @@ target-prefix label sets (every sequence of kind "target", e.g. configs/data_gen
 The extra "cand_rank" is the candidate's rank among the siblings a token tree drafts after the same node (0: the
 draft's first choice or first draw, 1: its second, ...; a chain's candidates are all rank 0), read as a number. A head
 reading it is trained on sibling labels (data_gen's `siblings`) and predicts the chance the candidate is accepted once
-its earlier siblings were rejected (decode.tree_shapes.HeadTree).
+its earlier siblings were rejected (decode.tree.HeadTree).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ functions do the same work with no temporaries:
     softmax_scalars_rows(logits, tokens) (R, V) and (R,) -> (3, R), the same per row
     mlp_prob(hidden, extras, params)     (H,) state and (E,) extras -> the head's calibrated probability
     head_rows(logits, tokens, hidden, runs, codes, params)   head_step over R rows -> (4, R)
-    round_progress(reach, surv, deciding, a, k, later)       decode.batch_control's expected progress of a round
+    round_progress(reach, surv, deciding, a, k, later)       decode.control's expected progress of a round
                                                            stopping after j = 0 .. later more candidates
 A batch controller decides after every draft step too, and its numpy path (about 60 array ops) took 340 us a
 decision in the loop at batch 8, 3-5% of a round; small batches (up to ROWS_MAX rows) take the compiled rows paths.

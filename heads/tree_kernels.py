@@ -1,4 +1,4 @@
-"""Compiled paths of a token-tree round on the CPU (decode.tree, decode.head_tree), beside heads.kernels' chain ones.
+"""Compiled paths of a token-tree round on the CPU (decode.tree.round, decode.tree.head), beside heads.kernels' chain ones.
 
 A tree level at batch 1 is a handful of nodes, and each tensor op on them costs its dispatch, which after a forward
 runs on cold caches: topk, softmax, the draws without replacement and recursive rejection's tests made a pass of
@@ -6,7 +6,7 @@ several ops per sibling rank (3.8 ms of host work a round of the head tree at ba
 the sibling head's array path). These do each in one call:
     top_children(logits, counts)              (N, V), (N,) -> a greedy level's children, best first, and their probabilities
     head_children(logits, tokens, hidden, runs, codes, params)   a sibling head over a level's children
-    draws_without_replacement(q, counts, u)   a sampled level's children, token for token as decode.tree draws them
+    draws_without_replacement(q, counts, u)   a sampled level's children, token for token as decode.tree.round draws them
     sibling_tests(p, q, x)                    recursive rejection's tests at a tree's nodes (decode.labels.sibling_tests)
     best_width(existing, guess, spent, ...)   how many frontier nodes a head tree's level expands
 Callers keep the tensor paths for a GPU, many nodes and machines without numba (heads.kernels.HAVE_NUMBA False);
@@ -71,7 +71,7 @@ def _head_children(logits, tokens, hidden, runs, codes, work, out, inv, shift, w
 
 
 def _draws_without_replacement(q, counts, u, out):
-    """decode.tree.without_replacement, one law at a time: law n's counts[n] draws, each by sample()'s inverse CDF
+    """decode.tree.round.without_replacement, one law at a time: law n's counts[n] draws, each by sample()'s inverse CDF
     (the first token whose float64 running mass, summed in order, exceeds u times the total; past the end, the
     last token with mass) on the law with the earlier draws removed. A law left with no mass draws no more (-1)."""
     k = 0
@@ -132,7 +132,7 @@ def _sibling_tests(p, q, x, alpha, left):
 
 
 def _best_width(existing, guess, spent, level, verify, nodes):
-    """decode.head_tree.best_width's loop: each width's values sorted, their prefix sums and rates, in one call."""
+    """decode.tree.head.best_width's loop: each width's values sorted, their prefix sums and rates, in one call."""
     best_rate, best_w = -1.0, 0
     for w in range(guess.shape[0] + 1):
         vals = -np.sort(-np.concatenate((existing, guess[:w].ravel())))
@@ -167,7 +167,7 @@ def head_children(logits: np.ndarray, tokens: np.ndarray, hidden: np.ndarray, ru
                   params: tuple) -> np.ndarray:
     """A sibling head over a tree level: (N, V) float32 raw logits after each expanded node, (N, m) int64 its
     children (-1: none), (N, H) states, (N,) runs -> (N, m) float64 each child's chance to be the accepted one given
-    its parent is (decode.head_tree.HeadTree.weigh)."""
+    its parent is (decode.tree.HeadTree.weigh)."""
     out = np.empty(tokens.shape)
     _head_children_k(logits, tokens, hidden, runs, codes, _work(logits.shape[-1]), out, *params)
     return out
@@ -175,7 +175,7 @@ def head_children(logits: np.ndarray, tokens: np.ndarray, hidden: np.ndarray, ru
 
 def draws_without_replacement(q: np.ndarray, counts: np.ndarray, u: np.ndarray) -> np.ndarray:
     """(N, V) float32 laws, (N,) int64 counts and their float64 uniforms, law by law -> (N, max count) int64 draws
-    without replacement, -1 where a law ran out of mass: decode.tree.without_replacement's draws, token for token."""
+    without replacement, -1 where a law ran out of mass: decode.tree.round.without_replacement's draws, token for token."""
     out = np.empty((len(counts), int(counts.max()) if len(counts) else 0), dtype=np.int64)
     _draws_k(q, counts, u, out)
     return out
@@ -191,5 +191,5 @@ def sibling_tests(p: np.ndarray, q: np.ndarray, x: np.ndarray) -> tuple[np.ndarr
 
 def best_width(existing: np.ndarray, guess: np.ndarray, spent: float, level: np.ndarray, verify: np.ndarray,
                nodes: int) -> int:
-    """decode.head_tree.best_width compiled: how many of a level's best frontier nodes to expand."""
+    """decode.tree.head.best_width compiled: how many of a level's best frontier nodes to expand."""
     return int(_best_width_k(existing, guess, float(spent), level, verify, nodes))

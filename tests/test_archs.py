@@ -12,12 +12,12 @@ import torch
 import yaml
 
 from decode.batch import BatchDecoder
+from decode.cache.kv import UnservableModel, check_servable
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.hf import hf_generate
-from decode.kvcache import UnservableModel, check_servable
 from decode.pair import load_pair
 from decode.policies import DraftConfidence, FixedK
-from decode.rules import GreedyMatch, SpeculativeSampling
+from decode.rules.chain import GreedyMatch, SpeculativeSampling
 from tests.archs import FAMILIES, WINDOW, chat_tokenizer
 
 TEXTS = ["def f(x):\n  return (x)", "a = b(c, d)\n", "if a == 1:\n  b(2)", "x = 10\nfor i in x:\n", "def g():",

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from decode.batch import BatchAutoregressive, BatchDecoder
-from decode.batch_control import BatchCostAware, BatchSizeK, acceptance, expected_max, level_progress
-from decode.batch_costs import BatchCosts
+from decode.control import BatchCostAware, BatchSizeK, acceptance, expected_max, level_progress
+from decode.costs.batch import BatchCosts
 from decode.engine import SpeculativeDecoder
 from decode.hf import hf_generate_batch
 from decode.policies import DraftConfidence, FixedK, SpecDecPP
-from decode.rules import GreedyMatch, SpeculativeSampling
+from decode.rules.chain import GreedyMatch, SpeculativeSampling
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
 from tests.test_decode import ALPHA, export_head, two_token_pvalue
 

@@ -10,8 +10,8 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.engine import SpeculativeDecoder
 from decode.pair import load_pair
 from decode.policies import FixedK
-from decode.rules import GreedyMatch, SpeculativeSampling
-from decode.tree_shapes import ConfidenceTree, SequoiaTree, StaticTree
+from decode.rules.chain import GreedyMatch, SpeculativeSampling
+from decode.tree.shapes import ConfidenceTree, SequoiaTree, StaticTree
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
 from tests.test_batch import assert_rows_equal
 

@@ -135,7 +135,7 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
 def test_bootstrap_interval_and_call_log_cost_model():
     import numpy as np
 
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
     from decode.evaluation.intervals import bootstrap_ci
 
     same = np.full((30, 2), 1.5)
@@ -278,7 +278,7 @@ def test_paired_goals_tell_a_five_percent_difference_the_row_intervals_cannot():
 
 
 def test_cost_model_mean_of_measurements_through_a_section():
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
 
     a = CostModel(step={"draft": [1.0], "target": [6.0, 7.0]}, prefill={"target": ([10, 30], [10.0, 30.0])},
                   switched={"draft": [1.2], "target": [6.0, 7.4]})
@@ -304,7 +304,7 @@ def test_paired_goals_are_symmetric_when_a_few_prompts_have_large_ratios():
 def test_cost_model_times_each_step_with_the_sections_sampling_work(tiny_pair, sampling):
     """Every cell of the step tables is filled on the tiny pair, greedy and under top-p (the transform of the
     target's n rows and the draw run inside each timed step)."""
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
 
     pair = tiny_pair.with_sampling(**sampling)
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 14)]

@@ -107,7 +107,7 @@ def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
     call log of the same plan), spending fewer predicted seconds than fixed K or the first-disagreement oracle."""
     from decode.engine import Autoregressive, SpeculativeDecoder
     from decode.evaluation.ceilings import HindsightOracle, StepCosts
-    from decode.rules import GreedyMatch
+    from decode.rules.chain import GreedyMatch
 
     greedy = tiny_pair.with_sampling(temperature=0.0)
     for prompt in PROMPTS[:4]:
@@ -159,7 +159,7 @@ def test_the_engine_hands_the_perfect_head_each_candidates_true_alpha(tiny_pair)
     its prefix), the perfect head stops on it, and the wall time leaves that work out."""
     from decode.engine import SpeculativeDecoder
     from decode.labels import accept_prob
-    from decode.rules import SpeculativeSampling
+    from decode.rules.chain import SpeculativeSampling
     from decode.sampling import transform
 
     pair = tiny_pair.with_sampling(temperature=1.0)

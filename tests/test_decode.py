@@ -10,7 +10,7 @@ from decode.allocator import steady_heap
 from decode.batch import BatchDecoder
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.policies import FixedK, Oracle, SamplingMismatch, SpecDecPP, SprinterVerifier
-from decode.rules import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck, greedy_verify
+from decode.rules.chain import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck, greedy_verify
 from decode.sampling import transform
 from decode.streams import Streams
 from heads import AcceptanceHead, HeadMismatch, LinearVerifier, save_pretrained

@@ -17,7 +17,7 @@ from decode import gguf as gguf_mod
 from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.pair import load_pair
 from decode.policies import FixedK
-from decode.rules import GreedyMatch
+from decode.rules.chain import GreedyMatch
 from tests.test_decode import ALPHA
 from tests.test_tree_law import conditional_pvalue
 from tests.tiny_gguf import write_gguf

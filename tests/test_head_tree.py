@@ -1,4 +1,4 @@
-"""The head tree (decode.head_tree.HeadTree): greedy output equals the target alone for every full-attention family in
+"""The head tree (decode.tree.HeadTree): greedy output equals the target alone for every full-attention family in
 float32 and bfloat16 at batch 1 and 8; sampled head trees keep the target's law; a chain head is refused in one line;
 the measured costs size the tree (a flat verify grows it, a steep one keeps it small); the head's values are the
 chances a child is the accepted one; the rounds' forwards and accepted paths correct the tables and the values."""
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from decode.batch import BatchAutoregressive, BatchDecoder
-from decode.costs import CostModel
+from decode.cache.rows import windowed
+from decode.costs.model import CostModel
 from decode.engine import SpeculativeDecoder
-from decode.head_tree import HeadTree
-from decode.rowcache import windowed
-from decode.rules import GreedyMatch
-from decode.tree_shapes import NodeBatch
+from decode.rules.chain import GreedyMatch
+from decode.tree.head import HeadTree
+from decode.tree.shapes import NodeBatch
 from tests.test_archs import MATRIX, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
 from tests.test_batch import assert_rows_equal, ragged
 from tests.test_decode import ALPHA, export_head
@@ -113,7 +113,7 @@ def test_a_childs_value_is_its_chance_to_be_the_accepted_one(tiny_pair, tmp_path
 
 def test_a_lone_spike_in_a_cost_table_does_not_price_the_larger_sizes():
     """monotone: a running median, then non-decreasing; a measured dip and a lone spike are both noise."""
-    from decode.head_tree import monotone
+    from decode.tree.head import monotone
 
     line = [10.0 + 0.5 * n for n in range(12)]
     spiked = line.copy()
@@ -129,7 +129,7 @@ def test_a_lone_spike_in_a_cost_table_does_not_price_the_larger_sizes():
 def test_the_rounds_correct_the_tables_and_the_heads_values(tiny_pair, tmp_path):
     """Verifies that run twice the tabled ms scale the verify table by 2; paths that never reach depth 1 though the
     values promised them shrink that depth's calibration and the kept tree; with learn=False nothing moves."""
-    from decode.tree import RowTree
+    from decode.tree.round import RowTree
 
     head = sibling_head(tmp_path, tiny_pair.with_sampling(temperature=0.0), bias=1.0)
     chain = RowTree([1])
@@ -165,7 +165,7 @@ def test_a_head_tree_takes_plain_steps_where_its_trees_do_not_pay(tiny_pair, tmp
     """At 8 rows, drafted rounds that bring the batch 1 token on in 40 ms lose to a plain step (14 ms by the tables):
     after RECHECK_ROUNDS of them the stretch turns plain until the size changes, and the next request at 8 rows
     starts plain. One row, whose trees bring 4 tokens in 20 ms, drafts on; learn=False always drafts."""
-    from decode.batch_cost_aware import RECHECK_ROUNDS
+    from decode.control.cost_aware import RECHECK_ROUNDS
 
     head = sibling_head(tmp_path, tiny_pair.with_sampling(temperature=0.0), bias=1.0)
 

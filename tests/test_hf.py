@@ -162,7 +162,7 @@ def test_the_assistant_tells_the_head_what_each_round_accepted(hf_pair, tmp_path
     head decides as in our engine, so the rounds it is told of are the engine's, but the last."""
     from decode.engine import SpeculativeDecoder
     from decode.policies import SpecDecPP
-    from decode.rules import SpeculativeSampling
+    from decode.rules.chain import SpeculativeSampling
 
     extras = ("draft_entropy", "draft_top1", "cand_logq", "accepted_run")
     head = export(tmp_path, hf_pair, "run", 0.0, "prev", extras=extras)

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from decode import policy_base as P
 from decode.batch import BatchDecoder
-from decode.batch_control import BatchCostAware, RowsStep
+from decode.control import BatchCostAware, RowsStep
 from decode.engine import SpeculativeDecoder
 from decode.policies import CostAwareStop, DraftStep, FixedK, SpecDecPP, draft_scalars
-from decode.rules import SpeculativeSampling
+from decode.policies import base as P
+from decode.rules.chain import SpeculativeSampling
 from decode.streams import Streams
 from heads import EXTRAS, AcceptanceHead, kernels, tree_kernels
 from tests.test_decode import PROMPTS, export_head
@@ -173,7 +173,7 @@ def test_a_gpu_step_reads_its_scalars_and_state_in_one_transfer():
 
 
 def test_compiled_speculative_sampling_gives_the_tensor_paths_verdicts():
-    """decode.rule_kernel against the rule's tensor ops on the same uniforms: 12 rows of ragged candidates drawn from
+    """decode.rules.kernel against the rule's tensor ops on the same uniforms: 12 rows of ragged candidates drawn from
     q (some rows none), targets from near the draft to far from it and a top-p-like one with tokens of no mass, over
     40 seeds: every (accepted, next token) equal, with rejections, full acceptances and bonus draws among them."""
     g = np.random.default_rng(0)
@@ -218,8 +218,8 @@ def test_a_greedy_tree_levels_children_are_topk_of_the_softmax():
 def test_the_compiled_sibling_head_equals_the_head_trees_array_path(tiny_pair, tmp_path):
     """tree_kernels.head_children (HeadTree.weigh on the CPU) against HeadTree._weigh_rows, its numpy twin, on a random
     depth-2 sibling head: ragged children, runs and depths."""
-    from decode.head_tree import HeadTree
-    from decode.tree_shapes import NodeBatch
+    from decode.tree.head import HeadTree
+    from decode.tree.shapes import NodeBatch
 
     extras = ["draft_entropy", "draft_top1", "cand_logq", "accepted_run", "cand_rank"]
     shape = HeadTree(export_head(tmp_path, tiny_pair, position="prev", extras=extras, depth=2))
@@ -238,10 +238,10 @@ def test_the_compiled_sibling_head_equals_the_head_trees_array_path(tiny_pair, t
 
 
 def test_compiled_draws_without_replacement_are_the_tensor_paths_token_for_token(monkeypatch):
-    """decode.tree.without_replacement's compiled path against its tensor path on the same uniforms: 40 laws from
+    """decode.tree.round.without_replacement's compiled path against its tensor path on the same uniforms: 40 laws from
     flat to peaked, some with most tokens of no mass (top-p / top-k) and one with fewer tokens than its count (it
     gives them all), 0 to 5 draws each, over 20 seeds."""
-    from decode import tree
+    from decode.tree import round as tree
 
     g = np.random.default_rng(0)
     x = g.standard_normal((40, 300)).astype(np.float32) * np.linspace(0.1, 8, 40, dtype=np.float32)[:, None]
@@ -282,10 +282,10 @@ def test_compiled_sibling_tests_equal_the_label_maths():
 
 
 def test_a_head_trees_compiled_width_is_its_numpy_twins():
-    """tree_kernels.best_width against decode.head_tree.best_width on 300 random levels: trees of 0 to 30 nodes, 0 to
+    """tree_kernels.best_width against decode.tree.head.best_width on 300 random levels: trees of 0 to 30 nodes, 0 to
     4 frontier nodes of 1 to 4 children, steep to flat verifies, cheap to dear draft levels; every width is chosen
     somewhere."""
-    from decode.head_tree import best_width
+    from decode.tree.head import best_width
 
     g, chosen = np.random.default_rng(5), set()
     for _ in range(300):

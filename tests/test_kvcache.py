@@ -1,6 +1,6 @@
 import torch
 
-from decode.kvcache import GrowingLayer, crop_cache, forward, new_cache
+from decode.cache.kv import GrowingLayer, crop_cache, forward, new_cache
 from tests.tiny import tiny_model
 
 

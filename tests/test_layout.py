@@ -1,6 +1,6 @@
 """The package layout the architecture promises: the engine a user imports (decode/*.py) reads nothing from
-evaluation (decode/evaluation) or training (train/), evaluation reads nothing from training, and no two
-modules import each other."""
+evaluation (decode/evaluation) or training (train/), evaluation reads nothing from training, decode's subpackages
+stand in layers (each imports only the layers below it), and no two modules import each other."""
 
 import ast
 from pathlib import Path
@@ -66,3 +66,37 @@ def test_nothing_cites_a_file_the_repository_does_not_hold():
                 assert (page.parent / target).exists(), (page.name, target)
     texts = [p.read_text() for p in pages + sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))]
     assert not [t for t in texts if "DESIGN.md" in t]
+
+
+# decode's rooms by layer: a module imports only its own layer's foundations or layers below it
+LAYERS = [
+    {"decode", "decode.pair", "decode.gguf", "decode.prompting", "decode.sampling", "decode.streams", "decode.labels",
+     "decode.clock", "decode.allocator", "decode.results", "decode.cache"},  # foundations: models, caches, maths
+    {"decode.rules", "decode.policies"},  # verification; how far to draft, one round at a time
+    {"decode.costs"},  # what drafting and verifying cost on this machine
+    {"decode.control"},  # how far to draft over a batch
+    {"decode.rounds"},  # the state a round of the batched loop hands its round
+    {"decode.tree"},  # token trees: shapes and their round
+    {"decode.batch"},  # the batched loop
+    {"decode.engine"},  # the one-sequence loop (a token tree goes to the batched one as a batch of one row)
+    {"decode.hf"},  # Hugging Face assisted generation driven by a head
+    {"decode.evaluation"},  # the bench, its cost model and reports
+    {"decode.__main__"},  # the command line
+]
+
+
+def test_decodes_subpackages_stand_in_layers():
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    level = {name: i for i, names in enumerate(LAYERS) for name in names}
+    graph = imports()
+    assert {room(m) for m in graph if m.startswith("decode")} <= set(level), "a decode room no layer names"
+    for m, deps in graph.items():
+        if not m.startswith("decode"):
+            continue
+        for d in deps:
+            if d.startswith("decode") and room(d) != room(m):
+                up = level[room(d)] > level[room(m)]
+                across = level[room(d)] == level[room(m)] and level[room(m)] > 0
+                assert not up and not across, f"{m} imports {d}: layer {level[room(m)]} reaching layer {level[room(d)]}"

@@ -14,7 +14,7 @@ import yaml
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.hf import hf_generate, specdecpp_assistant
 from decode.policies import DraftConfidence, FixedK
-from decode.rules import SpeculativeSampling
+from decode.rules.chain import SpeculativeSampling
 from tests.test_data_gen import label_here
 from tests.test_hf import export
 

@@ -5,7 +5,7 @@ import pytest
 from decode.engine import SpeculativeDecoder
 from decode.evaluation.replay import CostLine, record, replay, speedup, target_alone_calls
 from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, HeadPolicy, Oracle, SpecDecPP
-from decode.rules import SpeculativeSampling
+from decode.rules.chain import SpeculativeSampling
 from tests.test_decode import PROMPTS, export_head
 
 
@@ -112,7 +112,7 @@ def test_the_cost_aware_stop_prices_its_own_head_decisions(greedy, tmp_path):
     prices a ("head", 1) entry at that cost, and a decision between two draft steps leaves the draft warm."""
     import math
 
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
 
     head = export_head(tmp_path, greedy, bias=math.log(0.8 / 0.2), position="prev", name="sure-priced")
     policy = CostAwareStop(head)

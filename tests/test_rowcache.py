@@ -1,4 +1,4 @@
-"""The batch decoder's KV cache (decode.rowcache): rolled-back rows read as fresh caches of their text, with holes
+"""The batch decoder's KV cache (decode.cache.rows): rolled-back rows read as fresh caches of their text, with holes
 behind the mask and after compaction; windowed models stay contiguous; rows leaving move only what they must."""
 
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from decode import rowcache
-from decode.rowcache import RowCache, compaction, windowed
+from decode.cache import rows as rowcache
+from decode.cache.rows import RowCache, compaction, windowed
 from tests.test_archs import arch_pairs  # noqa: F401, F811  (a fixture)
 
 

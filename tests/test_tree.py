@@ -1,4 +1,4 @@
-"""Token trees (decode.tree, decode.tree_shapes): greedy trees emit the target's greedy text for every family at batch
+"""Token trees (decode.tree.round, decode.tree.shapes): greedy trees emit the target's greedy text for every family at batch
 1 and 8, plain target steps between trees included; sampled trees keep the target's law (and a tree without the residual update, or with children drawn with
 replacement, is caught); a chain-shaped tree is speculative sampling token for token; shapes are prefix-closed."""
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from decode import labels as labels_mod
-from decode import tree as tree_mod
 from decode.batch import BatchAutoregressive, BatchDecoder
+from decode.cache.rows import windowed
 from decode.engine import SpeculativeDecoder
 from decode.policies import FixedK
-from decode.rowcache import windowed
-from decode.rules import FSD, GreedyMatch, SpeculativeSampling, draw
-from decode.tree_shapes import ConfidenceTree, StaticTree, best_first, expected_tokens, sequoia_paths
+from decode.rules.chain import FSD, GreedyMatch, SpeculativeSampling, draw
+from decode.tree import round as tree_mod
+from decode.tree.shapes import ConfidenceTree, StaticTree, best_first, expected_tokens, sequoia_paths
 from heads import kernels
 from tests.test_archs import MATRIX, TEXTS, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
 from tests.test_batch import assert_rows_equal, ragged
@@ -218,7 +218,7 @@ def test_trees_refuse_lossy_rules_in_one_line(arch_pairs):
 def test_the_tree_plan_sizes_sequoia_by_the_cost_tables(tiny_pair):
     """A verify that costs nothing more per node grows the tree; one that costs a draft step's worth per node keeps
     it small. The greedy vector is a share of positions: each entry in [0, 1], together at most 1."""
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
     from decode.evaluation.tree_plan import best_tree, positional_vector
 
     v = positional_vector(tiny_pair.with_sampling(temperature=0.0), [[3, 7], [5, 1, 2]], new=12)

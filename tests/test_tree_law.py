@@ -1,4 +1,4 @@
-"""Sampled trees that size themselves (decode.tree_shapes.ConfidenceTree, decode.head_tree.HeadTree) keep the target's
+"""Sampled trees that size themselves (decode.tree.ConfidenceTree, decode.tree.HeadTree) keep the target's
 law even when they prune hard (eight children drawable, three nodes verified): the second token given the first,
 stratified by the first, matches the target's conditional law, at T = 1 and under top-p / top-k. The same test fails
 the pruning that shipped before (the best nodes by value kept after drawing), and a shape whose keep() drops a drawn
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from decode import tree as tree_mod
 from decode.batch import BatchDecoder
-from decode.head_tree import HeadTree
-from decode.rules import SpeculativeSampling
+from decode.rules.chain import SpeculativeSampling
 from decode.sampling import transform
-from decode.tree_shapes import ConfidenceTree, SequoiaTree, StaticTree, best_first, counted, planned
+from decode.tree import round as tree_mod
+from decode.tree.head import HeadTree
+from decode.tree.shapes import ConfidenceTree, SequoiaTree, StaticTree, best_first, counted, planned
 from tests.test_decode import ALPHA
 from tests.test_head_tree import priced, sibling_head
 

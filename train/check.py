@@ -76,7 +76,7 @@ def decode_checks(pair, head: str, max_new: int) -> list[tuple[str, bool, str]]:
     from decode.engine import Autoregressive, SpeculativeDecoder
     from decode.hf import hf_generate
     from decode.policies import FixedK, SpecDecPP
-    from decode.rules import SpeculativeSampling
+    from decode.rules.chain import SpeculativeSampling
 
     greedy, ids = pair.with_sampling(temperature=0.0), pair.encode(TEXTS[0])
     want = Autoregressive(greedy).generate(ids, max_new)

@@ -42,7 +42,7 @@ def resolve(path: str) -> Path:
 def live_features(pair_yaml: str, rows) -> dict[str, torch.Tensor]:
     """Prompt id -> (n + 1, H) draft last-layer states recomputed over prompt + z."""
     from data_gen.generate import feature_dtype
-    from decode.kvcache import forward, rollback_cache
+    from decode.cache.kv import forward, rollback_cache
     from decode.pair import load_pair
 
     pair, out = load_pair(pair_yaml), {}

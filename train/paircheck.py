@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from decode.engine import clock
+from decode.cache.kv import forward, rollback_cache
+from decode.clock import clock
 from decode.hf import hf_generate
-from decode.kvcache import forward, rollback_cache
 from decode.labels import accept_prob, expected_acceptance
 from decode.pair import ROOT, Pair, input_device, load_pair
 

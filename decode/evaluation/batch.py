@@ -11,11 +11,11 @@ over our batched target alone on the same batch, with a 95% bootstrap interval o
 
 Methods: the target alone (ours, twice: the second run is the A/A check of the run's noise, and Hugging Face
 generate() on the left-padded batch), fixed K = 1..6, draft
-confidence per row, vLLM's batch-size table (decode.batch_control.BatchSizeK: per B, the best of K = 0..6 on one
+confidence per row, vLLM's batch-size table (decode.control.BatchSizeK: per B, the best of K = 0..6 on one
 dev batch), and the batch controller (BatchCostAware on the setting's head, its cost tables measured at the powers of
 2 up to the largest batch size; before the test batches it decodes the dev batches the table is chosen on, so that
 it, like the table, has learned on dev what drafting yields at each size), and at tree_sizes the head tree
-(decode.head_tree.HeadTree on the setting's sibling head, its cost tables measured once on a dev batch; it decodes
+(decode.tree.HeadTree on the setting's sibling head, its cost tables measured once on a dev batch; it decodes
 the dev batches at tree_sizes first, learning there where its trees pay). The fixed K
 best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
 Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
@@ -37,16 +37,16 @@ import yaml
 
 from data_gen.prompts import PromptSet
 from decode.batch import BatchAutoregressive, BatchDecoder
-from decode.batch_control import BatchCostAware, BatchSizeK
-from decode.batch_costs import batch_costs, table_sizes
-from decode.costs import tree_costs
+from decode.control import BatchCostAware, BatchSizeK
+from decode.costs.batch import batch_costs, table_sizes
+from decode.costs.model import tree_costs
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.report import pyplot
-from decode.head_tree import HeadTree
 from decode.hf import hf_generate_batch
 from decode.pair import Pair, Sampling, load_pair
 from decode.policies import DraftConfidence, FixedK
-from decode.rules import SpeculativeSampling
+from decode.rules.chain import SpeculativeSampling
+from decode.tree.head import HeadTree
 
 AGAIN = "target alone again (A/A)"
 TREE = "tree head"  # decodes at cfg.tree_sizes only

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from decode.costs import CostModel
+from decode.costs.model import CostModel
 from decode.evaluation.bench_config import ROOT, Method, UnknownPromptSet, build, encode_prompts, expand, load_config
 from decode.evaluation.goals import goal_lines
 from decode.evaluation.measuring import choose, choose_by_replay, generator_for, interleaved, replayable, rows_of

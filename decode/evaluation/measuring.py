@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from decode.costs import CostModel
+from decode.costs.model import CostModel
 from decode.engine import Autoregressive, SpeculativeDecoder, Stats
 from decode.evaluation.bench_config import Method, build
 from decode.evaluation.intervals import bootstrap_ci

@@ -290,7 +290,7 @@ def evaluate(trajs, families, cost, max_context: int) -> dict[str, list[tuple[st
 
 
 class Priced:
-    """A measured decode.costs.CostModel with the CostLine interface (predict_s, costs, describe)."""
+    """A measured decode.costs.model.CostModel with the CostLine interface (predict_s, costs, describe)."""
 
     def __init__(self, model):
         self.model, self.head_ms = model, model.head
@@ -299,7 +299,7 @@ class Priced:
         return self.model.predict_s(calls)
 
     def costs(self) -> tuple[float, list[float]]:
-        """What decode.costs.measure_costs measures: a draft step after another, and the target verifying n
+        """What decode.costs.model.measure_costs measures: a draft step after another, and the target verifying n
         tokens after a draft step."""
         return self.model.step["draft"][0], self.model.switched.get("target", self.model.step["target"])
 

@@ -3,7 +3,7 @@
 Token trees against chains at batch 1 on the embedded pair: the target alone, fixed-K chains (K chosen on dev
 prompts, and the best K on test in hindsight), the cost-aware chain (decode.policies.CostAwareStop on the setting's
 prev head), the Sequoia tree of decode.evaluation.tree_plan's plan, EAGLE-2's confidence tree and the head tree
-(decode.head_tree.HeadTree on the setting's sibling head), decoded one after another per test prompt in a seeded
+(decode.tree.HeadTree on the setting's sibling head), decoded one after another per test prompt in a seeded
 shuffled order. A head the checkpoints lack leaves its row out, saying so. Under sampling every method decodes its
 whole budget through EOS (fixed lengths, as the batch bench), so each prompt's tok/s ratio compares equal work.
 Each method's speedup over the dev-chosen chain is the geometric mean of per-prompt ratios, with a 95% bootstrap
@@ -25,11 +25,11 @@ from decode.evaluation.batch import suffix
 from decode.evaluation.bench_config import encode_prompts
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.tree_plan import SETTINGS
-from decode.head_tree import HeadTree
 from decode.pair import load_pair
 from decode.policies import CostAwareStop, FixedK
-from decode.rules import GreedyMatch, SpeculativeSampling
-from decode.tree_shapes import ConfidenceTree, StaticTree
+from decode.rules.chain import GreedyMatch, SpeculativeSampling
+from decode.tree.head import HeadTree
+from decode.tree.shapes import ConfidenceTree, StaticTree
 
 CHAINS = (1, 2, 3, 4, 6)
 # each set's dev prompts (the chain's K is chosen there) and test prompts, as configs/bench/pycode.yaml splits them

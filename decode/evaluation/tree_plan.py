@@ -2,12 +2,12 @@
 
 Sequoia's static tree for a pair on this machine: the positional acceptance vector of each sampling setting
 (teacher-forced over the target's own text on dev prompts), the cost tables of a draft level by width and of a
-verification by node count (decode.costs.CostModel, as the bench measures its steps), the tree that maximises tokens
+verification by node count (decode.costs.model.CostModel, as the bench measures its steps), the tree that maximises tokens
 per millisecond under both, and what decoding the dev prompts with that tree then measured beside the prediction.
 
 v[j] is the chance that the draft's (j+1)-th choice at a position is the token the round emits there: under greedy,
 that the target's argmax is the draft's (j+1)-th most likely token; under sampling, that recursive rejection over
-children drawn from q without replacement accepts the (j+1)-th (decode.tree.first_accepted, the rule decoding runs).
+children drawn from q without replacement accepts the (j+1)-th (decode.rules.tree.first_accepted, the rule decoding runs).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decode.costs import CostModel, tree_costs
+from decode.costs.model import CostModel, tree_costs
 from decode.pair import Pair, load_pair
+from decode.rules.tree import first_accepted
 from decode.sampling import transform
-from decode.tree import first_accepted, without_replacement
-from decode.tree_shapes import expected_tokens, sequoia_paths
+from decode.tree.round import without_replacement
+from decode.tree.shapes import expected_tokens, sequoia_paths
 
 SETTINGS = {"greedy": {"temperature": 0.0}, "t0.7-p0.95": {"temperature": 0.7, "top_p": 0.95},
             "t1": {"temperature": 1.0}}
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from decode.batch import BatchDecoder
     from decode.evaluation.bench_config import encode_prompts
-    from decode.rules import GreedyMatch, SpeculativeSampling
-    from decode.tree_shapes import StaticTree
+    from decode.rules.chain import GreedyMatch, SpeculativeSampling
+    from decode.tree.shapes import StaticTree
 
     base = load_pair(args.pair)
     prompts = encode_prompts(base, {"name": "pycode", "split": "dev", "limit": args.prompts, "seed": 0}, args.new)

@@ -137,7 +137,7 @@ def cost_of(spec: str, pair: Pair, cfg: dict, name: str, trajs: list[Trajectory]
     """The one cost model that prices a prompt set's rounds, dev and test alike (a machine's costs do not depend on
     which prompts are being chosen on): the mean of the bench's saved ones of its sections in this setting, else
     one measured here on the dev prompts, or a line."""
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
 
     if spec not in ("bench", "measure"):
         return CostLine.parse(spec)
@@ -217,7 +217,7 @@ def check(cfg: dict, run: Path) -> None:
     section's prompts, priced by the section's own cost model, and print replay's speedup beside the bench's
     cost-model speedup (both: the target alone's predicted time over the method's, summed over prompts). Greedy
     replay is exact (goal: within 5%); under sampling it is an estimate, and its own draws meet the bench's."""
-    from decode.costs import CostModel
+    from decode.costs.model import CostModel
     from decode.evaluation.bench import build, expand, replayable
     from decode.pair import Sampling, load_pair
 

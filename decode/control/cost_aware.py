@@ -1,18 +1,18 @@
 """The batch-aware cost-aware controller (BatchCostAware) and the progress math it prices rounds with; callers import
-them from decode.batch_control.
+them from decode.control.
 
 A batch waits for its row furthest behind, so a round's worth is its progress: how much it brings down the most tokens
 any row may still emit. level_progress and acceptance relate a candidate's acceptance rate to that progress for level
 rows, expected_max gives it for rows spread apart, optimistic leans a rate measured over few rounds to drafting; the
-module constants weigh priors and measurements against each other. The step costs come from decode.batch_costs.
+module constants weigh priors and measurements against each other. The step costs come from decode.costs.batch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from decode.batch_costs import BatchCosts
-from decode.batch_interface import BatchControl
+from decode.control.base import BatchControl
+from decode.costs.batch import BatchCosts
 from decode.policies import HeadPolicy, check_max_len
 from heads import kernels
 
@@ -75,7 +75,7 @@ class BatchCostAware(HeadPolicy, BatchControl):
     rounds only 1.6x to 2.1x. With one row, progress is that row's tokens.
 
     Whether to draft is chosen per stretch: at a request's first round and whenever rows leaving move the batch to
-    another measured size (decode.batch_costs). It drafts if the progress per ms that its drafting stretches at this
+    another measured size (decode.costs.batch). It drafts if the progress per ms that its drafting stretches at this
     size realized (the tables' cost of their rounds times what those rounds measured against them, the draft's
     catch-up reads included) beats a plain step's 1 over its cost.
     Stretches, not single rounds: a round from rows level with each other makes little progress (the slowest of

@@ -2,7 +2,7 @@
 
 HeadPolicy loads a head, checks it was trained for this draft and sampling setting, and turns a candidate into the
 head's (calibrated) acceptance probability; SpecDecPP, CostAwareStop (on RenewalStop, the cost-aware rule fed any
-probability) and SprinterVerifier decide from it. The interface they implement is decode.policy_base's.
+probability) and SprinterVerifier decide from it. The interface they implement is decode.policies.base's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from decode import labels as L
 from decode.pair import Sampling
-from decode.policy_base import DraftStep, Policy, check_max_len, check_unit
+from decode.policies.base import DraftStep, Policy, check_max_len, check_unit
 from decode.sampling import as_numpy
 from heads import EXTRAS, FeatureSpec, check_draft, from_pretrained, kernels
 
@@ -42,7 +42,7 @@ def matching_heads(head_dir: str, config: dict, setting: str) -> list[str]:
 
 def _kind(cfg: dict) -> tuple:
     """(head type, label family, sibling head or not): an FSD head is an AcceptanceHead too, but answers another
-    question, and a tree's sibling head another still (decode.head_tree)."""
+    question, and a tree's sibling head another still (decode.tree.head)."""
     return (cfg.get("head_type"), (cfg.get("label") or {}).get("family"),
             "cand_rank" in (cfg.get("features") or {}).get("extras", []))
 
@@ -63,7 +63,7 @@ class HeadPolicy(Policy):
     @classmethod
     def in_memory(cls, head, config: dict) -> HeadPolicy:
         """A head policy over a head that is in memory, not exported (config as an export's: its "features"): what
-        the cost model times a head decision with (decode.costs)."""
+        the cost model times a head decision with (decode.costs.model)."""
         self = cls.__new__(cls)
         HeadPolicy._use(self, head, config)
         self.head_dir, self.allow_sampling_mismatch = "(in memory)", False
@@ -87,7 +87,7 @@ class HeadPolicy(Policy):
             logits = np.zeros((1, 8), dtype=np.float32) if self._reads else None
             kernels.head_step(None if logits is None else logits[0], 0, hidden[0], 0, self._codes, params)
             kernels.head_rows(logits, np.zeros(1, dtype=np.int64), hidden, np.zeros(1, dtype=np.int64), self._codes,
-                              params)  # a batch's rows (decode.batch_control.RowsStep.head_probs)
+                              params)  # a batch's rows (decode.control.RowsStep.head_probs)
 
     def start(self) -> None:
         self.run = 0
@@ -266,7 +266,7 @@ class CostAwareStop(RenewalStop, HeadPolicy):
     cost linear in the tokens, one step ahead decides; a measured verify cost is not linear (on CPUs some sizes
     run faster than smaller ones), so the rule looks to the end of max_len. r is estimated as the expected
     tokens over the cost of the rounds so far (the current round's own rate in the first). Costs left None are
-    measured once per pair by the decoder (decode.costs.measure_costs); h, when given, replaces the rule by SpecDec++'s
+    measured once per pair by the decoder (decode.costs.model.measure_costs); h, when given, replaces the rule by SpecDec++'s
     threshold.
     """
 

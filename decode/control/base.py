@@ -1,10 +1,10 @@
 """The batch decoder's control interface and the controllers that need no cost tables; callers import them from
-decode.batch_control.
+decode.control.
 
 RowsStep is what a controller reads of the rows deciding at one index of a round (DraftStep over R rows, with one
-head forward and one softmax pass for all of them), BatchControl the interface decode.batch asks (decode.batch_control
+head forward and one softmax pass for all of them), BatchControl the interface decode.batch asks (decode.control
 describes it), PerRow a decode.policies policy copied per row, BatchSizeK vLLM's K-by-batch-size table, and control_of
-what the decoder makes of whichever it is given. BatchCostAware, priced by cost tables, is decode.batch_cost_aware.
+what the decoder makes of whichever it is given. BatchCostAware, priced by cost tables, is decode.control.cost_aware.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class BatchControl:
     needs_hidden = False  # the draft's cache keeps its hidden states (a head reads them)
     reads_own_state = False  # a decision reads the state after the candidate (one more draft pass first)
     needs_batch_costs = False  # the decoder hands it cost tables by batch size (set_batch_costs) before decoding
-    needs_tree_costs = False  # a tree shape priced by width and node count (set_tree_costs, decode.costs.tree_costs)
+    needs_tree_costs = False  # a tree shape priced by width and node count (set_tree_costs, decode.costs.model.tree_costs)
 
     def head_policy(self):
         """The exported head it reads beside its own (a decode.policies.HeadPolicy, which the decoder checks was
@@ -114,6 +114,9 @@ class PerRow(BatchControl):
                              "at a time: use decode.engine.SpeculativeDecoder")
         self.policy, self.rows = policy, []
         self.needs_hidden, self.reads_own_state = policy.needs_hidden, policy.reads_own_state
+
+    def head_policy(self):
+        return self.policy if isinstance(self.policy, HeadPolicy) else None
 
     def start(self, n):
         self.rows = [copy.copy(self.policy) for _ in range(n)]

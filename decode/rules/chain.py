@@ -14,7 +14,7 @@ import torch
 
 from decode import labels as L
 from decode.pair import Sampling
-from decode.rule_kernel import HAVE_NUMBA, speculative_rows
+from decode.rules.kernel import HAVE_NUMBA, speculative_rows
 from decode.sampling import argmax, as_numpy, sample
 from decode.streams import Streams
 
@@ -61,7 +61,7 @@ class Rule:
 class SpeculativeSampling(Rule):
     """Leviathan et al. / Chen et al.: accept x with min(1, p/q), else resample norm(max(0, p - q)).
 
-    compiled: on the CPU, verify in decode.rule_kernel's one compiled call (False: the tensor ops, as on a GPU).
+    compiled: on the CPU, verify in decode.rules.kernel's one compiled call (False: the tensor ops, as on a GPU).
     """
 
     lossless = True
@@ -81,7 +81,7 @@ class SpeculativeSampling(Rule):
         the outcome, even where its p is one-hot (top-p often truncates to one token: a shortcut taken only when every
         row's p is one-hot made a row's draws depend on its neighbours); accepts while u < alpha; then draws its next
         token from its bonus p or, after a rejection, from resample() there, by inverse CDF with the last uniform.
-        On the CPU one compiled call does it all (decode.rule_kernel) unless a subclass changes resample()."""
+        On the CPU one compiled call does it all (decode.rules.kernel) unless a subclass changes resample()."""
         ks, dev = [len(t) for t in tokens], p.device
         if (self.compiled and HAVE_NUMBA and dev.type == "cpu" and q is not None
                 and type(self).resample is SpeculativeSampling.resample):

@@ -3,7 +3,7 @@
 DraftStep is what a policy reads of one candidate (its scalars from draft_scalars, which the batched decoder runs over
 all rows at once), Policy the base every policy extends (decode.policies describes its methods), and FixedK,
 DraftConfidence, AdaEDL and Oracle the policies that need no trained head: they read only the draft's distribution
-(the oracle, the target off the books). The head-driven policies build on these in decode.head_policies.
+(the oracle, the target off the books). The head-driven policies build on these in decode.policies.heads.
 """
 
 from __future__ import annotations

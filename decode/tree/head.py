@@ -10,7 +10,7 @@ that child is accepted once the siblings before it were rejected, a_j. The chanc
 a_j * prod_{i<j} (1 - a_i), and a node's value, its chance to be on the accepted path, the product of those along its
 path (Sequoia's positional model with the head's numbers in place of one vector for every node).
 
-Like decode.batch_control.BatchCostAware, a HeadTree is a batch-level control that learns as it decodes: a round's
+Like decode.control.BatchCostAware, a HeadTree is a batch-level control that learns as it decodes: a round's
 tree depends on the batch size (a verify prices every row's nodes) and on what earlier rounds taught it (each rank's
 share, the host work a level and a round cost, learnt from the wall clock; the forwards' measured ms over the tables',
 which are measured once on a machine whose speed drifts; at each depth, the tokens that arrived over those the values
@@ -22,7 +22,7 @@ and in a batch, and between a fresh HeadTree and one that has decoded before.
 
 The cost-aware stop, generalised to trees: a round's rate is the expected tokens over the round's ms when the target
 verifies the best-first prefix of the nodes with the most expected tokens per ms, a draft level priced by its width
-and the verification by its node count from cost tables measured on this machine (decode.costs.tree_costs, once per
+and the verification by its node count from cost tables measured on this machine (decode.costs.model.tree_costs, once per
 decoder). Each level expands the w best frontier nodes (w <= top_k) that raise that rate, their children valued
 before drafting by the running mean of each rank's share; after drafting, the target verifies the best prefix.
 """
@@ -32,11 +32,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from decode.batch_cost_aware import RECHECK_ROUNDS, optimistic
-from decode.costs import CostModel
-from decode.head_policies import HeadPolicy
+from decode.control.cost_aware import RECHECK_ROUNDS, optimistic
+from decode.costs.model import CostModel
+from decode.policies.heads import HeadPolicy
 from decode.sampling import as_numpy
-from decode.tree_shapes import NodeBatch, TreeShape, _check_sizes, best_order, counted, planned
+from decode.tree.shapes import NodeBatch, TreeShape, _check_sizes, best_order, counted, planned
 from heads import kernels, tree_kernels
 
 DECAY = 0.95  # per round, of what the rounds taught (about the last 20 rounds count)
@@ -85,7 +85,7 @@ class HeadTree(TreeShape):
         self._tabled = {"draft": 0.0, "verify": 0.0}  # this round's tabled forwards (the widest row's)
         self._mass: list[np.ndarray] = []  # each row's kept value by depth this round, in row order
         self._priced: dict | None = None  # this round's scaled tables and calibration, computed once a round
-        # whether to draft at all, by batch size (as decode.batch_cost_aware.BatchCostAware chooses): each size's
+        # whether to draft at all, by batch size (as decode.control.BatchCostAware chooses): each size's
         # drafted rounds [rounds, progress, ms] and plain steps [rounds, ms], kept from one request to the next
         self.sizes: dict[int, np.ndarray] = {}
         self.declined: set[int] = set()  # sizes whose last choice was a plain step
@@ -98,7 +98,7 @@ class HeadTree(TreeShape):
         return self.head
 
     def set_tree_costs(self, costs: CostModel) -> None:
-        """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.tree_costs)."""
+        """The machine's cost tables: a draft forward by width, a target forward by tokens (decode.costs.model.tree_costs)."""
         self.costs, self._tables, self._priced = costs, {}, None
 
     def start(self, n):
@@ -237,7 +237,7 @@ class HeadTree(TreeShape):
 
     def _sampled_children(self, level, tree, frontier) -> list[int]:
         """Under sampling a level is sized before its children are drawn, as every drawn child is verified
-        (decode.tree_shapes): the best top_k frontier nodes' children, and the deeper levels they would grow, are
+        (decode.tree.shapes): the best top_k frontier nodes' children, and the deeper levels they would grow, are
         valued by the ranks' running means (planned); priced, the target verifies the prefix of those with the best
         rate beside the nodes already drawn, and this level draws that prefix's children."""
         best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]

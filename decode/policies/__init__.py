@@ -10,20 +10,11 @@ Two optional hooks tell it what verification did (a head reading the extra accep
     verified(accepted, drafted)  the round's first `accepted` of `drafted` candidates were accepted
 
 The policies live in two modules by what drives them, and this one names them all, as configs (class_path
-decode.policies.X), the command line and callers do: decode.policy_base (DraftStep, Policy, the training-free
-policies) and decode.head_policies (the policies driven by an exported head).
+decode.policies.X), the command line and callers do: decode.policies.base (DraftStep, Policy, the training-free
+policies) and decode.policies.heads (the policies driven by an exported head).
 """
 
-from decode.head_policies import (
-    CostAwareStop,
-    HeadPolicy,
-    RenewalStop,
-    SamplingMismatch,
-    SpecDecPP,
-    SprinterVerifier,
-    matching_heads,
-)
-from decode.policy_base import (
+from decode.policies.base import (
     AdaEDL,
     DraftConfidence,
     DraftStep,
@@ -33,6 +24,15 @@ from decode.policy_base import (
     check_max_len,
     check_unit,
     draft_scalars,
+)
+from decode.policies.heads import (
+    CostAwareStop,
+    HeadPolicy,
+    RenewalStop,
+    SamplingMismatch,
+    SpecDecPP,
+    SprinterVerifier,
+    matching_heads,
 )
 
 __all__ = ["AdaEDL", "CostAwareStop", "DraftConfidence", "DraftStep", "FixedK", "HeadPolicy", "Oracle", "Policy",

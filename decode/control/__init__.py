@@ -8,16 +8,17 @@ step), whether to draft on after each candidate (decide, per deciding row), and 
     BatchSizeK(table)     vLLM's dynamic rule: K by the number of rows still decoding, from a table chosen on dev
     BatchCostAware(head)  the batch-aware cost-aware controller: drafts on while the rows' expected extra tokens pay
                           for the extra draft step and the wider verify at this batch size, else stops; falls back to
-                          K = 0 when no K pays (decode.batch_costs measures the tables)
+                          K = 0 when no K pays (decode.costs.batch measures the tables)
 
 A batch verifies every row at the width of its longest draft, so a row that stops before the others saves nothing:
 the batch-level controllers draft every live row to the batch's K.
 
-The interface and the controllers without cost tables live in decode.batch_interface, BatchCostAware and its progress
-math in decode.batch_cost_aware; this module names them all, as the decoder, configs and callers do.
+The interface and the controllers without cost tables live in decode.control.base, BatchCostAware and its progress
+math in decode.control.cost_aware; this module names them all, as the decoder, configs and callers do.
 """
 
-from decode.batch_cost_aware import (
+from decode.control.base import BatchControl, BatchSizeK, PerRow, RowsStep, control_of
+from decode.control.cost_aware import (
     FACTOR_ROUNDS,
     LOOKAHEAD,
     PRIOR_ROUNDS,
@@ -28,7 +29,6 @@ from decode.batch_cost_aware import (
     level_progress,
     optimistic,
 )
-from decode.batch_interface import BatchControl, BatchSizeK, PerRow, RowsStep, control_of
 
 __all__ = ["FACTOR_ROUNDS", "LOOKAHEAD", "PRIOR_ROUNDS", "RECHECK_ROUNDS", "BatchControl", "BatchCostAware",
            "BatchSizeK", "PerRow", "RowsStep", "acceptance", "control_of", "expected_max", "level_progress",

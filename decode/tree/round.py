@@ -1,8 +1,8 @@
 """One round of token-tree speculation over a batch of rows: grow each row's tree with the draft (one draft forward
 per level), score every node with one target forward, walk the accepted path, keep it in both caches.
 
-decode.batch.BatchDecoder calls round() when its control is a decode.tree_shapes.TreeShape; a chain is the tree
-with one child per node, batch 1 a batch of one row. The caches are decode.rowcache.RowCache: a node reads the
+decode.batch.BatchDecoder calls round() when its control is a decode.tree.TreeShape; a chain is the tree
+with one child per node, batch 1 a batch of one row. The caches are decode.cache.rows.RowCache: a node reads the
 committed text and its own ancestors (RowCache.feed_tree), and after verification the path's columns become kept
 text while the rest are holes (RowCache.commit_columns). docs/design.md, "Token trees", gives the rules:
 - greedy: follow the child equal to the target's argmax; its argmax after the last followed node is the bonus.
@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from decode.labels import sibling_tests
+from decode.cache.rows import RowCache
 from decode.rounds import Round
-from decode.rowcache import RowCache
-from decode.sampling import argmax, as_numpy, sample, transform
-from decode.streams import Streams
-from decode.tree_shapes import NodeBatch, TreeShape
+from decode.rules.tree import walk
+from decode.sampling import as_numpy, sample, transform
+from decode.tree.shapes import NodeBatch, TreeShape
 from heads import kernels, tree_kernels
 
 
@@ -41,7 +40,7 @@ class RowTree:
     path: list[tuple[int, ...]] = field(default_factory=lambda: [()])
     col: list[int] = field(default_factory=lambda: [-1])  # the draft cache column a node was read into (-1: unread)
     q: dict = field(default_factory=dict)  # node -> (V,) the draft's law after it (sampling only)
-    sampled: bool = False  # drawn from q (sampling): every drawn node is verified (decode.tree_shapes)
+    sampled: bool = False  # drawn from q (sampling): every drawn node is verified (decode.tree.shapes)
     budget: int = 64  # the most nodes the target may verify this round
 
     @property
@@ -260,66 +259,6 @@ def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch
     return logits if fed_root else torch.cat([first, logits], 1)
 
 
-def walk(trees: list[RowTree], logits: torch.Tensor, sampling, streams: Streams) -> list[tuple[list[int], int]]:
-    """Each row's accepted path (its nodes, root excluded) and next token, from the target's (B, 1 + n, V) logits."""
-    if sampling.temperature == 0:
-        best = argmax(logits).tolist()
-        out = []
-        for t, bst in zip(trees, best):
-            kids, v, path = t.children(), 0, []
-            while True:
-                nxt = next((c for c in kids.get(v, []) if t.tokens[c] == bst[v]), None)
-                if nxt is None:
-                    out.append((path, bst[v]))
-                    break
-                v = nxt
-                path.append(v)
-        return out
-    u = streams.draw([len(t.tokens) for t in trees]).tolist()  # n + 1 per row: one a node, one for the last draw
-    starts = [0]
-    for t in trees:
-        starts.append(starts[-1] + len(t.tokens))
-    kids = [t.children() for t in trees]
-    items = [(b, v, cs) for b, k in enumerate(kids) for v, cs in sorted(k.items())]  # every node with children
-    alpha, left, at = [], None, {}
-    if items:  # every node's sibling tests at once: one transform, one pass per sibling rank, one host read
-        dev = logits.device
-        p = transform(logits[torch.tensor([b for b, _, _ in items], device=dev),
-                             torch.tensor([v for _, v, _ in items], device=dev)], sampling)
-        q = torch.stack([trees[b].q[v] for b, v, _ in items])
-        m = max(len(cs) for _, _, cs in items)
-        x = [[trees[b].tokens[c] for c in cs] + [-1] * (m - len(cs)) for b, _, cs in items]
-        if kernels.HAVE_NUMBA and dev.type == "cpu" and p.dtype == q.dtype == torch.float32:  # no pass per rank
-            a, left = tree_kernels.sibling_tests(as_numpy(p), as_numpy(q), np.asarray(x, dtype=np.int64))
-            left = torch.from_numpy(left)
-        else:
-            a, left = sibling_tests(p, q, torch.tensor(x, device=dev))
-        alpha, at = a.tolist(), {(b, v): i for i, (b, v, _) in enumerate(items)}
-    paths, laws = [], []  # a row's law: ("left", i), item i's residual after all its children, or ("p", b, v)
-    for b in range(len(trees)):
-        v, path, ub = 0, [], u[starts[b]: starts[b + 1]]
-        while True:
-            i = at.get((b, v))
-            if i is None:
-                laws.append(("p", b, v))
-                break
-            cs = items[i][2]
-            j = next((j for j, c in enumerate(cs) if ub[c - 1] < alpha[i][j]), None)
-            if j is None:
-                laws.append(("left", i))
-                break
-            v = cs[j]
-            path.append(v)
-        paths.append(path)
-    leaf = [(w[1], w[2]) for w in laws if w[0] == "p"]
-    leaf_p = iter(transform(logits[torch.tensor([b for b, _ in leaf], device=logits.device),
-                                   torch.tensor([v for _, v in leaf], device=logits.device)], sampling)
-                  if leaf else [])
-    law = torch.stack([left[w[1]] if w[0] == "left" else next(leaf_p) for w in laws])
-    last = torch.tensor([[u[starts[b + 1] - 1]] for b in range(len(trees))], dtype=torch.float64, device=law.device)
-    return list(zip(paths, sample(law, u=last).tolist()))
-
-
 def _kept(shape: TreeShape, tree: RowTree, fit: int) -> list[int]:
     """The nodes the shape keeps for the target; under sampling every drawn node, or a one-line ValueError."""
     kept = shape.keep(tree, fit)
@@ -327,32 +266,6 @@ def _kept(shape: TreeShape, tree: RowTree, fit: int) -> list[int]:
         raise ValueError(f"{type(shape).__name__}.keep dropped drawn nodes under sampling, which biases the target's "
                          "law: size each level before drawing it in children() and keep every drawn node")
     return kept
-
-
-def first_accepted(p: torch.Tensor, q: torch.Tensor, tokens: list[int], u: list[float]) -> int | None:
-    """Recursive rejection at one node (sibling_tests): (V,) p and q, the children drawn and one uniform each -> the
-    index of the accepted child, or None if all are rejected."""
-    if not tokens:
-        return None
-    alpha = sibling_tests(p[None], q[None], torch.tensor([tokens], device=p.device))[0][0].tolist()
-    return next((j for j, a in enumerate(alpha) if u[j] < a), None)
-
-def check_tree(pair, rule) -> None:
-    """Refuse, before decoding, what a tree round cannot serve: a sliding-window model (its window is measured in
-    cache columns, which a tree's siblings interleave) and a rule other than the lossless two."""
-    from decode.rowcache import windowed
-    from decode.rules import GreedyMatch, SpeculativeSampling
-
-    for role in ("draft", "target"):
-        if windowed(getattr(pair, role).config):
-            raise ValueError(f"token trees need full attention: the {role} ({type(getattr(pair, role)).__name__}) "
-                             "attends over a sliding window, which a tree's interleaved siblings would misplace; "
-                             "decode it with a chain policy (e.g. FixedK)")
-    if type(rule) not in (GreedyMatch, SpeculativeSampling) or \
-            (pair.config.sampling.temperature > 0 and type(rule) is not SpeculativeSampling):
-        raise ValueError(f"token trees verify by greedy matching (temperature 0) or recursive rejection sampling: use "
-                         f"GreedyMatch or SpeculativeSampling, not {type(rule).__name__} at temperature "
-                         f"{pair.config.sampling.temperature:g}")
 
 
 def tree_round(r: Round) -> list[int]:

@@ -19,31 +19,18 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from decode.kvcache import crop_cache, forward, rollback_cache
+from decode.cache.kv import crop_cache, forward, rollback_cache
+from decode.clock import clock
 from decode.pair import Pair, input_device
 from decode.sampling import argmax, pick, sample, transform
 from decode.streams import Streams
 
 MODELS = ("draft", "target")
-
-
-def clock(device: torch.device):
-    """A perf_counter that, on a GPU, first waits for the work queued there: else a forward's time would land
-    in whatever step next reads a result (sampling, the rule)."""
-    if device.type != "cuda":
-        return time.perf_counter
-
-    def now() -> float:
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    return now
 
 
 def _grid(n_max: int) -> list[int]:

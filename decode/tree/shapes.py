@@ -3,7 +3,7 @@
     BatchDecoder(pair, SequoiaTree([0.72, 0.15, 0.04], nodes=15, depth=6), GreedyMatch())
     BatchDecoder(pair, ConfidenceTree(top_k=4, depth=6, nodes=16), SpeculativeSampling())
 
-A shape is a decode.batch_control.BatchControl, so decode.batch.BatchDecoder (and SpeculativeDecoder, through a
+A shape is a decode.control.BatchControl, so decode.batch.BatchDecoder (and SpeculativeDecoder, through a
 batch of one row) decode with it as with any control. Each row's tree grows level by level: the shape says how many
 children each frontier node gets (the draft's top choices under greedy, draws without replacement under sampling),
 then which of the drafted nodes the target verifies. A kept node's parent and earlier siblings are always kept:
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode.batch_control import BatchControl
+from decode.control import BatchControl
 
 
 class TreeShape(BatchControl):
@@ -41,7 +41,7 @@ class TreeShape(BatchControl):
         return self.depth
 
     def children(self, level: int, tree, frontier: list[int]) -> list[int]:
-        """One row's tree (decode.tree.RowTree) and its frontier at `level` (0: the root alone) -> how many children
+        """One row's tree (decode.tree.round.RowTree) and its frontier at `level` (0: the root alone) -> how many children
         the draft proposes for each frontier node (0: not expanded). Under sampling (tree.sampled) these counts are
         final: the target verifies every child drawn, up to the round's node budget (tree.room nodes still free)."""
         raise NotImplementedError
@@ -49,13 +49,13 @@ class TreeShape(BatchControl):
     def weigh(self, level: int, nodes: NodeBatch) -> list[list[float]]:
         """The expanded nodes of this level, their children drawn -> each child's chance to be on the accepted path
         given its parent is (a node's value is the product along its path). By default the draft's probability of
-        the child (EAGLE-2's confidence); decode.head_tree.HeadTree asks a trained head."""
+        the child (EAGLE-2's confidence); decode.tree.HeadTree asks a trained head."""
         return nodes.probs
 
     def keep(self, tree, most: int) -> list[int]:
         """One row's drafted tree -> the nodes the target verifies, in drafting order. Greedy: the best `most` by
         value, each with its parent and earlier siblings (best_first). Sampling: every drafted node (see the module;
-        decode.tree refuses a shape whose keep drops a drawn node there)."""
+        decode.tree.round refuses a shape whose keep drops a drawn node there)."""
         if tree.sampled:
             return list(range(1, len(tree.value)))
         return best_first(tree.value, tree.parent, tree.rank, most)

@@ -15,7 +15,7 @@ models compact on every rollback that leaves a hole, keeping each row's text con
 Where the moves cost (2 threads, the embedded pair, greedy, fixed K = 1, 32 new tokens): realigning every round
 took 14% of the wall at batch 8 and 25% at batch 32.
 
-Storage: GrowingLayers (decode.kvcache), so a forward writes its new columns in place instead of copying the
+Storage: GrowingLayers (decode.cache.kv), so a forward writes its new columns in place instead of copying the
 cache by torch.cat. A move is one index_select per layer over whole (D,) key and value vectors, written into a
 buffer with room to grow: here at batch 32 that was 3x faster than a gather with an index per element, and it
 replaces the copy that the next append would make anyway.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.kvcache import forward, new_cache
+from decode.cache.kv import forward, new_cache
 from decode.pair import Pair, input_device
 
 ROOM = 64  # columns of spare room a moved buffer keeps, so the next rounds append in place

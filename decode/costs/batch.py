@@ -1,11 +1,11 @@
-"""Step costs of the batched decoder per batch size: what decode.batch_control.BatchCostAware prices rounds with.
+"""Step costs of the batched decoder per batch size: what decode.control.BatchCostAware prices rounds with.
 
     python -m decode batch-costs --sizes '[1, 8, 32]'        (prints the tables; decode.evaluation.batch uses them)
 
-Timed on the decoder's own caches (decode.rowcache.RowCache: masks, position ids, realignment) over b copies of a
+Timed on the decoder's own caches (decode.cache.rows.RowCache: masks, position ids, realignment) over b copies of a
 prompt of the request's typical length: a draft step (one token per row), the target verifying n tokens per row
 for n = 1 .. max_len + 1, and the rollback a speculative round ends with (both caches, rows cut back by 0..3
-tokens). Where rollbacks leave holes (decode.rowcache), the packing they call for now and then is priced per
+tokens). Where rollbacks leave holes (decode.cache.rows), the packing they call for now and then is priced per
 round as its measured time times the share of the slack that such a rollback's holes use up. Medians over repeats,
 the cells in a seeded shuffled order so slow spells of the machine fall on all alike. Between measured sizes the
 costs are interpolated linearly (rows leave a batch as they finish).
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode.costs import clock
+from decode.cache.rows import SLACK, RowCache
+from decode.clock import clock
 from decode.pair import Pair
-from decode.rowcache import SLACK, RowCache
 
 
 @dataclass
