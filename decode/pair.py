@@ -258,6 +258,9 @@ def with_donor_embeddings(spec: ModelSpec, donor):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(spec.resolved())
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{spec.path} is not a model folder (no config.json there): a draft that shares the target's "
+                         "embeddings is a folder exported by python -m train.distill")
     config = AutoConfig.from_pretrained(folder)
     if donor is None or donor.get_input_embeddings().weight.shape[1] != config.hidden_size:
         raise ValueError(f"{folder} shares the target's embeddings, but the target's width "
@@ -270,7 +273,11 @@ def with_donor_embeddings(spec: ModelSpec, donor):
     except Exception as e:  # a missing file, or safetensors' own error class for a corrupt one
         raise ValueError(f"{folder / 'model.safetensors'} cannot be read ({' '.join(str(e).split())[:160]}): copy or "
                          "export it again") from e
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a weight of another shape: torch lists every one over many lines
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e).splitlines()[0])
+        raise ValueError(f"{folder / 'model.safetensors'} does not fit its config.json ({first[:200]})") from e
     embed = [k for k, v in model.state_dict().items() if v.data_ptr() == model.get_input_embeddings().weight.data_ptr()]
     if unexpected or set(missing) - set(embed):
         raise ValueError(f"{folder} does not hold the draft's weights but its embeddings: missing "
@@ -300,6 +307,8 @@ def load_pair(config: PairConfig | str | Path, device: torch.device | str | None
         check_servable(load_config(getattr(cfg, name)), name)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.target.embeddings != "own":
+        raise ValueError("the target's embeddings are its own: embeddings: target is for a draft that shares them")
     target = load_model(cfg.target, device)
     draft = load_model(cfg.draft, device, donor=target)
     for name, m in (("draft", draft), ("target", target)):

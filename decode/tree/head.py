@@ -29,6 +29,8 @@ before drafting by the running mean of each rank's share; after drafting, the ta
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -55,6 +57,8 @@ class HeadTree(TreeShape):
     def __init__(self, head_dir: str, top_k: int = 4, depth: int = 8, nodes: int = 32,
                  allow_sampling_mismatch: bool = False, learn: bool = True):
         _check_sizes("HeadTree", top_k=top_k, depth=depth, nodes=nodes)
+        if not isinstance(head_dir, (str, os.PathLike)):
+            raise ValueError(f"HeadTree's head_dir is the folder of an exported sibling head, got {head_dir!r}")
         try:
             self.head = HeadPolicy(head_dir, allow_sampling_mismatch)
         except FileNotFoundError as e:

@@ -261,7 +261,7 @@ def score(target: RowCache, trees: list[RowTree], roots: list[int], first: torch
 
 def _kept(shape: TreeShape, tree: RowTree, fit: int) -> list[int]:
     """The nodes the shape keeps for the target; under sampling every drawn node, or a one-line ValueError."""
-    kept = shape.keep(tree, fit)
+    kept = [int(i) for i in shape.keep(tree, fit)]  # a range, a tuple or an array of node ids alike
     if tree.sampled and kept != list(range(1, len(tree.tokens))):
         raise ValueError(f"{type(shape).__name__}.keep dropped drawn nodes under sampling, which biases the target's "
                          "law: size each level before drawing it in children() and keep every drawn node")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,7 +147,7 @@ class StaticTree(TreeShape):
         """Sequoia's tree under the positional model: the j-th child of any node is accepted with probability
         accept[j] given its parent was, so a node's value is the product along its rank path and the best tree of
         `nodes` nodes with at most `depth` levels is the best `nodes` of that infinite tree (best_first)."""
-        _check_accept("StaticTree.sequoia", accept)
+        accept = _check_accept("StaticTree.sequoia", accept)
         _check_sizes("StaticTree.sequoia", nodes=nodes, depth=depth)
         return cls(sequoia_paths(accept, nodes, depth))
 
@@ -164,18 +165,22 @@ def _rank_paths(paths) -> list[tuple[int, ...]]:
         if hasattr(p, "tolist"):
             p = p.tolist()
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not all(
-                isinstance(j, int) and not isinstance(j, bool) and j >= 0 for j in p):
+                isinstance(j, numbers.Integral) and not isinstance(j, bool) and j >= 0 for j in p):
             raise bad
-        out.append(tuple(p))
+        out.append(tuple(int(j) for j in p))
     return out
 
 
-def _check_accept(name: str, accept) -> None:
-    """The positional acceptance vector: a non-empty list of numbers in (0, 1], or a one-line ValueError."""
+def _check_accept(name: str, accept) -> list[float]:
+    """The positional acceptance vector: a non-empty list (or array) of numbers in (0, 1] -> as floats, or a one-line
+    ValueError."""
+    if hasattr(accept, "tolist"):
+        accept = accept.tolist()
     if isinstance(accept, (str, bytes)) or not isinstance(accept, Sequence) or not accept or not all(
-            isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a <= 1 for a in accept):
+            isinstance(a, numbers.Real) and not isinstance(a, bool) and 0 < a <= 1 for a in accept):
         raise ValueError(f"{name}'s accept is the positional acceptance vector, a list of numbers each in (0, 1] "
                          f"(python -m decode.evaluation.tree_plan prints it), got {' '.join(repr(accept).split())[:200]}")
+    return [float(a) for a in accept]
 
 
 class SequoiaTree(StaticTree):
@@ -183,9 +188,7 @@ class SequoiaTree(StaticTree):
     decode.evaluation.tree_plan prints it and the nodes and depth that pay on this machine)."""
 
     def __init__(self, accept: Sequence[float], nodes: int = 16, depth: int = 6):
-        if hasattr(accept, "tolist"):
-            accept = accept.tolist()
-        _check_accept("SequoiaTree", accept)
+        accept = _check_accept("SequoiaTree", accept)
         _check_sizes("SequoiaTree", nodes=nodes, depth=depth)
         super().__init__(sequoia_paths(accept, nodes, depth))
         self.accept = list(accept)
@@ -236,8 +239,10 @@ SHARES = (0.6, 0.2, 0.08, 0.04)  # a peaked draft's typical probability of its 1
 
 def check_shares(name: str, shares: Sequence[float], top_k: int) -> np.ndarray:
     """(top_k,) the shares as a non-increasing vector in (0, 1] (extended by halving), or a one-line ValueError."""
+    if hasattr(shares, "tolist"):
+        shares = shares.tolist()
     if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or not shares or not all(
-            isinstance(a, (int, float)) and not isinstance(a, bool) and 0 < a <= 1 for a in shares):
+            isinstance(a, numbers.Real) and not isinstance(a, bool) and 0 < a <= 1 for a in shares):
         raise ValueError(f"{name}'s shares are a list of probabilities in (0, 1], one per child rank (e.g. [0.6, 0.2, "
                          f"0.08]), got {shares!r}")
     out = [float(a) for a in shares][:top_k]
@@ -275,7 +280,7 @@ def counted(picked: Sequence[tuple[float, int, int]], n: int) -> list[int]:
 
 
 def _check_sizes(name: str, **sizes) -> None:
-    """Each size a whole number >= 1, or a one-line ValueError naming it."""
+    """Each size a whole number >= 1 (numpy's integers too), or a one-line ValueError naming it."""
     for key, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             raise ValueError(f"{name} needs {key} to be a whole number >= 1, got {v!r}")
