@@ -1,0 +1,157 @@
+"""A draft built from a target's layers, and what distilling it needs: making it (the target's layers, its final norm,
+its embeddings and tied output layer shared), exporting what it owns, storing the target's answers, the forward-KL
+step against the target's distribution and the held-out measures (top-1 agreement, alpha at T = 1). train.distill
+runs them; decode.pair loads an export with embeddings "target".
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from decode.pair import ModelSpec
+
+
+def make_draft(target, layers: list[int]):
+    """A draft of the target's `layers` (copied), its final norm, and its embeddings and output layer (shared)."""
+    from transformers import AutoModelForCausalLM
+
+    have = target.config.num_hidden_layers
+    if max(layers) >= have or len(set(layers)) != len(layers):
+        raise ValueError(f"recipe field layers {layers} must name distinct layers of the target's {have} (0..{have - 1})")
+    config = type(target.config).from_dict(target.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    for key in ("layer_types", "mlp_bias_layers"):  # per-layer lists, where a config keeps them
+        if isinstance(getattr(config, key, None), list):
+            setattr(config, key, [getattr(target.config, key)[i] for i in layers])
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for new, old in enumerate(layers):
+        draft.model.layers[new].load_state_dict(target.model.layers[old].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    share_embeddings(draft, target)
+    return draft
+
+
+def share_embeddings(draft, target) -> None:
+    """The draft reads and writes through the target's (frozen) embedding matrix."""
+    draft.model.embed_tokens.weight = target.model.embed_tokens.weight
+    draft.tie_weights() if draft.config.tie_word_embeddings else None
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    draft.draft_weights = [n for n, _ in draft.named_parameters() if "embed_tokens" not in n and "lm_head" not in n]
+
+
+def trained_state(draft) -> dict[str, torch.Tensor]:
+    """The weights the draft owns: every one but the shared embeddings and output layer."""
+    return {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(tmp_path), then rename over path: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".part")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def export(draft, tokenizer, out: Path, info: dict) -> None:
+    """The draft as a folder decode.pair loads with embeddings "target": config, bfloat16 layers, tokenizer."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in trained_state(draft).items()}
+    write_atomic(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
+
+
+class Store:
+    """The target's answers, one gzipped JSON line each ({"id", "setting", "prompt", "answer"} as token ids), kept
+    beside the exported draft: appended per cycle, so the dear part of the run survives any interruption."""
+
+    def __init__(self, path: Path):
+        self.path, self.rows = path, []
+        if path.exists():
+            with gzip.open(path, "rt") as f:
+                for line in f:
+                    try:
+                        self.rows.append(json.loads(line))
+                    except json.JSONDecodeError:  # a line cut by an interrupted append: the rest was written whole
+                        break
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows += rows
+        write_atomic(self.path, lambda p: _write_gz(p, self.rows))
+
+
+def _write_gz(path: Path, rows: list[dict]) -> None:
+    with gzip.open(path, "wt") as f:
+        for r in rows:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+
+
+def answer(pair, prompts: list[list[int]], setting: dict, max_new: int, seed: int) -> list[list[int]]:
+    """The target's answers to a batch of prompt ids under a sampling setting, each through its EOS (row i drawing
+    from its own stream, seed + i): the project's batched target-alone loop (decode.batch.BatchAutoregressive)."""
+    from decode.batch import BatchAutoregressive
+
+    sampled = pair.with_sampling(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **setting})
+    return [g.tokens for g in BatchAutoregressive(sampled, seed=seed).generate(prompts, max_new)]
+
+
+def teacher_pair(target, tokenizer, spec: ModelSpec, context: int):
+    """The target as a decode.pair.Pair of itself: what the batched loop answers with."""
+    from decode.pair import Pair, PairConfig
+
+    cfg = PairConfig(name="distill-teacher", draft=spec, target=spec, chat_template=True, max_context=context)
+    return Pair(cfg, target, target, tokenizer, len(tokenizer))
+
+
+def batch_of(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored answers -> (B, T) ids right-padded, (B, T) attention mask, (B, T) which positions predict an answer
+    token (the last prompt token's through the answer's second-to-last)."""
+    seqs = [r["prompt"] + r["answer"] for r in rows]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    scored = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, (r, s) in enumerate(zip(rows, seqs)):
+        ids[b, :len(s)] = torch.tensor(s)
+        mask[b, :len(s)] = 1
+        scored[b, len(r["prompt"]) - 1: len(s) - 1] = True
+    return ids, mask, scored
+
+
+def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T, V) the draft's logits, its float32 layers run in bfloat16 beside the shared bfloat16
+    embeddings (autocast; the exported draft is bfloat16)."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        return draft(input_ids=ids, attention_mask=mask).logits
+
+
+def kl_step(draft, target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, int]:
+    """Forward KL(p || q) at the answer positions of a batch, averaged -> (loss, positions)."""
+    ids, mask, scored = batch_of(rows)
+    with torch.no_grad():
+        p_logits = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float()
+    q_logits = draft_logits(draft, ids, mask)[scored][:, :vocab].float()
+    loss = F.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="batchmean")
+    return loss, int(scored.sum())
+
+
+@torch.no_grad()
+def measure(draft, target, rows: list[dict], vocab: int) -> dict:
+    """Top-1 agreement with the target's greedy token and mean alpha at T = 1 over held-out answer positions."""
+    agree = alpha = n = 0.0
+    for i in range(0, len(rows), 8):
+        ids, mask, scored = batch_of(rows[i: i + 8])
+        p = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float().softmax(-1)
+        q = draft_logits(draft, ids, mask)[scored][:, :vocab].float().softmax(-1)
+        agree += float((p.argmax(-1) == q.argmax(-1)).sum())
+        alpha += float(torch.minimum(p, q).sum())
+        n += p.shape[0]
+    return {"top1": agree / max(n, 1), "alpha": alpha / max(n, 1), "positions": int(n)}
