@@ -129,14 +129,22 @@ def hf_folder(path: str, root: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {file.name} to a Hugging Face folder (once) in {folder} ...", file=sys.stderr, flush=True)
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report is a page long; what it says comes back as one line below
     try:
         tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
         model, info = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
                                                            output_loading_info=True)
     except Exception as e:  # transformers' own, often many lines long: the first says what
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        if "ignore_mismatched_sizes" in first:
+            first = f"its tensors do not fit the {check_file(file)!r} architecture it declares"
         raise ValueError(f"{file} cannot be loaded as a causal LM by transformers ({' '.join(first.split())[:200]})"
                          ) from e
+    finally:
+        hf_logging.set_verbosity(level)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     missing = sorted(set(info.get("missing_keys", ())) - tied)
     if missing or info.get("mismatched_keys"):

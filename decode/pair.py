@@ -64,6 +64,8 @@ class ModelSpec:
         if self.embeddings not in ("own", "target"):
             raise ValueError(f"a model's embeddings are 'own' or 'target' (shared with the target), got "
                              f"{self.embeddings!r}")
+        if not isinstance(getattr(torch, str(self.dtype), None), torch.dtype):
+            raise ValueError(f"a model's dtype is a torch dtype name (float32, bfloat16, float16), got {self.dtype!r}")
 
     def resolved(self) -> str:
         """A local folder relative to the repository root (a GGUF file: its converted folder in the cache, fetched
@@ -73,6 +75,9 @@ class ModelSpec:
         if is_gguf(self.path):
             return str(hf_folder(self.path, ROOT))
         local = ROOT / self.path
+        if self.embeddings == "target" and not (local / "config.json").is_file():
+            raise ValueError(f"{self.path} is not a model folder (no config.json there): a draft that shares the "
+                             "target's embeddings is a folder exported by python -m train.distill")
         return str(local) if local.exists() else self.path
 
 

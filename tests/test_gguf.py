@@ -117,6 +117,7 @@ def test_an_interrupted_copy_is_redone(tmp_path, cache, monkeypatch):
     ("missing", "GGUF file .*nowhere.gguf not found"),
     ("no weight", "no-weight.gguf lacks weights its LlamaForCausalLM needs .*down_proj"),
     ("not a causal LM", "t5.gguf cannot be loaded as a causal LM by transformers"),
+    ("other tensors", "gpt2.gguf cannot be loaded .* .its tensors do not fit the 'gpt2' architecture it declares"),
     ("truncated", "truncated.gguf is not a readable GGUF file .*: truncated or corrupt"),
     ("not gguf", "not-gguf.gguf is not a GGUF file"),
     ("architecture", "rwkv6.gguf holds a 'rwkv6' model, which transformers cannot read from GGUF"),
@@ -143,6 +144,8 @@ def test_a_bad_gguf_file_gets_one_line_naming_it(tmp_path, cache, case, says):
             gguf.GGUFWriter.add_tensor = add
     elif case == "not a causal LM":
         bad = write_gguf(tmp_path / "t5.gguf", arch="t5")
+    elif case == "other tensors":
+        bad = write_gguf(tmp_path / "gpt2.gguf", arch="gpt2")  # a Llama's tensors under GPT-2's name
     elif case == "not gguf":
         bad = tmp_path / "not-gguf.gguf"
         bad.write_text("a text file")
@@ -206,7 +209,9 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     for change, says in (({"lr_max": 1}, "recipe.yaml: unknown recipe keys \\['lr_max'\\]"),
                          ({"batch": 0}, "batch takes a whole number >= 1"),
                          ({"layers": [9]}, "distinct layers of the target's 2"), ({"replay": "half"}, "replay takes a number"),
-                         ({"settings": [{"temp": 0}]}, "not a sampling setting")):
+                         ({"settings": [{"temp": 0}]}, "not a sampling setting"),
+                         ({"seed": 0.5}, "seed takes a whole number >= 0"),
+                         ({"target": {"path": str(target), "dtype": "float99"}}, "dtype is a torch dtype name")):
         recipe.write_text(yaml.safe_dump({**yaml.safe_load(text), **change}))
         with pytest.raises(SystemExit) as info:
             distill.main(["--config", str(recipe), "--cycles", "1"])

@@ -73,13 +73,15 @@ class Recipe:
                     raise ValueError(f"recipe field {f.name} takes a number, got {v!r}") from None
             if f.type in ("float", "int") and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"recipe field {f.name} takes a number, got {v!r}")
-        for name in ("answers_per_cycle", "max_new_tokens", "max_prompt_tokens", "dev_prompts", "batch",
-                     "steps_per_cycle", "eval_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"recipe field {name} takes a whole number >= 1, got {getattr(self, name)!r}")
-        if not 0 <= self.replay <= 1 or not self.lr > 0 or self.warmup < 0 or self.threads < 0:
-            raise ValueError(f"recipe fields: replay in [0, 1], lr > 0, warmup >= 0, threads >= 0; got replay "
-                             f"{self.replay}, lr {self.lr}, warmup {self.warmup}, threads {self.threads}")
+        for f in fields(self):
+            least = 1 if f.name not in ("warmup", "seed", "threads") else 0
+            if f.type == "int" and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < least):
+                raise ValueError(f"recipe field {f.name} takes a whole number >= {least}, got {getattr(self, f.name)!r}")
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"recipe field out is the folder the draft is exported to, got {self.out!r}")
+        if not 0 <= self.replay <= 1 or not 0 < self.lr < float("inf"):
+            raise ValueError(f"recipe fields: replay takes a share in [0, 1] and lr a finite rate > 0; got replay "
+                             f"{self.replay}, lr {self.lr}")
         if not isinstance(self.layers, list) or not self.layers or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
             raise ValueError(f"recipe field layers lists the target's layers the draft starts from (e.g. [0, 1]), "
@@ -117,7 +119,8 @@ class Recipe:
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
-    return recipe.lr * min(1.0, (step + 1) / recipe.warmup)
+    """The learning rate at a step: a linear warm-up over recipe.warmup steps (none at 0), then flat."""
+    return recipe.lr * min(1.0, (step + 1) / max(1, recipe.warmup))
 
 
 def log(msg: str) -> None:
