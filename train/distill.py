@@ -260,11 +260,10 @@ def plot(curve: list[dict], path: Path) -> None:
     if not curve:
         return
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    x = [max(c["tokens"], 1) for c in curve]
+    x = [c["tokens"] / 1e3 for c in curve]
     ax.plot(x, [c["top1"] for c in curve], "o-", label="top-1 agreement (greedy)")
     ax.plot(x, [c["alpha"] for c in curve], "s-", label="alpha at T = 1")
-    ax.set_xscale("log")
-    ax.set_xlabel("answer tokens trained on")
+    ax.set_xlabel("answer tokens trained on (thousands)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
