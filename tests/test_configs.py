@@ -122,3 +122,11 @@ def test_lightning_clis_reject_out_of_range_numbers(module, args, option, capsys
     stderr = capsys.readouterr().err
     errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
     assert out.value.code == 2 and len(errors) == 1 and option in errors[0], stderr[-2000:]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "distill").glob("*.yaml")), ids=lambda p: p.stem)
+def test_distillation_recipes_parse(path):
+    from train.distill import Recipe
+
+    recipe = Recipe.from_yaml(path)
+    assert recipe.layers and recipe.settings and (ROOT / recipe.out).is_dir()

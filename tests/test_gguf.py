@@ -190,7 +190,8 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     finally:
         distill.kl_step = real
     distill.main(["--config", str(recipe), "--cycles", "1"])  # from the saved state, the stored answers reused
-    assert "resumed from" in capsys.readouterr().out
+    log = capsys.readouterr().out
+    assert "resumed from" in log and "cycle 3: 4 stored answers reused" in log
     info = json.loads((out / "training.json").read_text())
     assert info["cycle"] == 3 and info["answers"] == 12
     for f in (out / ".state").iterdir():  # a fresh clone: the export and its answers, no state
@@ -211,6 +212,7 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
                          ({"layers": [9]}, "distinct layers of the target's 2"), ({"replay": "half"}, "replay takes a number"),
                          ({"settings": [{"temp": 0}]}, "not a sampling setting"),
                          ({"seed": 0.5}, "seed takes a whole number >= 0"),
+                         ({"device": "tpu"}, "device takes auto, cpu, cuda or cuda:N"),
                          ({"target": {"path": str(target), "dtype": "float99"}}, "dtype is a torch dtype name")):
         recipe.write_text(yaml.safe_dump({**yaml.safe_load(text), **change}))
         with pytest.raises(SystemExit) as info:
@@ -219,3 +221,15 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
         assert info.value.code == 2 and err.count("\n") == 0 and re.search(says, err), (change, err)
     recipe.write_text(text.replace("lr: 0.01", "lr: 1e-2"))  # YAML reads 1e-2 as a string: taken as the number
     assert distill.Recipe.from_yaml(recipe).lr == 0.01
+
+
+def test_distillation_learning_rate_warms_up_whenever_the_optimiser_is_fresh_and_decays_to_a_tenth():
+    from train.distill import Recipe, lr_at
+
+    flat = Recipe(target={"path": "x.gguf"}, out="d", lr=1.0, warmup=10)
+    assert lr_at(0, flat) == 0.1 and lr_at(9, flat) == lr_at(500, flat) == 1.0
+    assert lr_at(300, flat, fresh_at=300) == 0.1  # resumed from an export: its fresh optimiser warms up again
+    decay = Recipe(target={"path": "x.gguf"}, out="d", lr=1.0, warmup=0, decay_steps=100)
+    got = [lr_at(s, decay) for s in range(0, 200, 10)]
+    assert got[0] == 1.0 and abs(lr_at(50, decay) - 0.55) < 1e-9 and all(a >= b for a, b in zip(got, got[1:]))
+    assert lr_at(100, decay) == lr_at(150, decay) == 0.1

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -33,8 +35,6 @@ import yaml
 from decode.pair import ROOT, ModelSpec, load_model
 from decode.prompting import encode
 from train.draft import Store, answer, export, kl_step, make_draft, measure, teacher_pair, trained_state, write_atomic
-
-ROWS = 32  # prompts the target answers in one batch
 
 
 @dataclass
@@ -56,7 +56,10 @@ class Recipe:
     steps_per_cycle: int = 8
     replay: float = 0.5  # share of a cycle's sequences drawn from earlier cycles' answers
     lr: float = 1e-3
-    warmup: int = 20
+    warmup: int = 20  # steps of linear warm-up whenever the optimiser starts fresh (a new draft, or from an export)
+    decay_steps: int = 0  # cosine decay of lr to a tenth by this step (counted over the whole run); 0: flat
+    rows: int = 32  # instructions the target answers in one batch (a GPU takes hundreds)
+    device: str = "auto"  # "auto": cuda when a GPU is present, else cpu; or "cpu", "cuda", "cuda:1"
     eval_every: int = 5
     seed: int = 0
     threads: int = 0  # 0: torch's default
@@ -74,7 +77,7 @@ class Recipe:
             if f.type in ("float", "int") and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"recipe field {f.name} takes a number, got {v!r}")
         for f in fields(self):
-            least = 1 if f.name not in ("warmup", "seed", "threads") else 0
+            least = 1 if f.name not in ("warmup", "seed", "threads", "decay_steps") else 0
             if f.type == "int" and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < least):
                 raise ValueError(f"recipe field {f.name} takes a whole number >= {least}, got {getattr(self, f.name)!r}")
         if not isinstance(self.out, str) or not self.out:
@@ -82,6 +85,8 @@ class Recipe:
         if not 0 <= self.replay <= 1 or not 0 < self.lr < float("inf"):
             raise ValueError(f"recipe fields: replay takes a share in [0, 1] and lr a finite rate > 0; got replay "
                              f"{self.replay}, lr {self.lr}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"recipe field device takes auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not isinstance(self.layers, list) or not self.layers or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
             raise ValueError(f"recipe field layers lists the target's layers the draft starts from (e.g. [0, 1]), "
@@ -118,9 +123,23 @@ class Recipe:
             raise ValueError(f"{path}: malformed recipe ({e}); see configs/distill/smollm2.yaml") from e
 
 
-def lr_at(step: int, recipe: Recipe) -> float:
-    """The learning rate at a step: a linear warm-up over recipe.warmup steps (none at 0), then flat."""
-    return recipe.lr * min(1.0, (step + 1) / max(1, recipe.warmup))
+def lr_at(step: int, recipe: Recipe, fresh_at: int = 0) -> float:
+    """The learning rate at a step: a linear warm-up over recipe.warmup steps from `fresh_at`, the step the optimiser
+    started fresh at (none at 0), times a cosine decay to a tenth by recipe.decay_steps (flat at 0)."""
+    warm = min(1.0, (step - fresh_at + 1) / max(1, recipe.warmup))
+    if not recipe.decay_steps:
+        return recipe.lr * warm
+    done = min(1.0, step / recipe.decay_steps)
+    return recipe.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+
+
+def device_of(recipe: Recipe) -> torch.device:
+    """The recipe's device; "auto" is cuda when a GPU is present."""
+    if recipe.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if recipe.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"recipe field device is {recipe.device} but torch sees no GPU here: set device: auto or cpu")
+    return torch.device(recipe.device)
 
 
 def log(msg: str) -> None:
@@ -139,15 +158,16 @@ class Run:
         self.state_dir = self.out / ".state"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         spec = ModelSpec(**recipe.target)
-        log(f"loading the target {spec.path} ({spec.dtype})")
-        self.target = load_model(spec)
+        self.device = device_of(recipe)
+        log(f"loading the target {spec.path} ({spec.dtype}, on {self.device})")
+        self.target = load_model(spec, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.resolved())
         self.vocab = len(self.tokenizer)
         self.pair = teacher_pair(self.target, self.tokenizer, spec, recipe.max_prompt_tokens + recipe.max_new_tokens)
         self.draft = make_draft(self.target, recipe.layers)
         self.opt = torch.optim.AdamW([p for n, p in self.draft.named_parameters() if n in self.draft.draft_weights],
                                      lr=recipe.lr, weight_decay=0.0)
-        self.cycle, self.step, self.tokens, self.curve = 0, 0, 0, []
+        self.cycle, self.step, self.tokens, self.curve, self.fresh_at = 0, 0, 0, [], 0
         self._resume()
         self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
         random.Random(recipe.seed).shuffle(self.train_prompts)
@@ -159,8 +179,8 @@ class Run:
             dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
             log(f"the target answers {len(dev)} dev instructions (greedy), once, for the learning curve")
             rows = []
-            for i in range(0, len(dev), ROWS):
-                rows += self.answered(dev[i: i + ROWS], {"temperature": 0.0}, recipe.seed)
+            for i in range(0, len(dev), recipe.rows):
+                rows += self.answered(dev[i: i + recipe.rows], {"temperature": 0.0}, recipe.seed)
             self.dev.add(rows)
 
     def answered(self, chunk: list[tuple[str, str]], setting: dict, seed: int) -> list[dict]:
@@ -176,15 +196,17 @@ class Run:
 
         state, exported = self.state_dir / "state.pt", self.out / "model.safetensors"
         if state.exists():
-            got = torch.load(state, weights_only=False)
+            got = torch.load(state, weights_only=False, map_location=self.device)
             self.draft.load_state_dict(got["draft"], strict=False)
             self.opt.load_state_dict(got["opt"])
             self.cycle, self.step, self.tokens, self.curve = got["cycle"], got["step"], got["tokens"], got["curve"]
+            self.fresh_at = got.get("fresh_at", 0)
             log(f"resumed from {state}: cycle {self.cycle}, {self.tokens:,} tokens seen")
         elif exported.exists():
             self.draft.load_state_dict({k: v.float() for k, v in load_file(exported).items()}, strict=False)
             info = json.loads((self.out / "training.json").read_text())
             self.cycle, self.step, self.tokens, self.curve = info["cycle"], info["step"], info["tokens"], info["curve"]
+            self.fresh_at = self.step
             log(f"resumed from the exported draft {exported} (fresh optimiser): cycle {self.cycle}, "
                 f"{self.tokens:,} tokens seen")
         else:
@@ -196,7 +218,7 @@ class Run:
 
     def save(self) -> None:
         state = {"draft": trained_state(self.draft), "opt": self.opt.state_dict(), "cycle": self.cycle,
-                 "step": self.step, "tokens": self.tokens, "curve": self.curve}
+                 "step": self.step, "tokens": self.tokens, "curve": self.curve, "fresh_at": self.fresh_at}
         write_atomic(self.state_dir / "state.pt", lambda p: torch.save(state, p))
 
     def evaluate(self) -> None:
@@ -215,13 +237,15 @@ class Run:
         name = setting_name(setting)
         # a cycle killed after its answers were stored trains on them again rather than drawing them twice
         rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle]
+        how = f"{len(rows)} stored answers reused"
         if not rows:
-            for i in range(0, len(chunk), ROWS):
-                rows += self.answered(chunk[i: i + ROWS], setting, r.seed + self.cycle * 1000 + i)
+            for i in range(0, len(chunk), r.rows):
+                rows += self.answered(chunk[i: i + r.rows], setting, r.seed + self.cycle * max(1000, r.answers_per_cycle) + i)
             for x in rows:
                 x["cycle"] = self.cycle
             self.answers.add(rows)
-        made = sum(len(x["answer"]) for x in rows)
+            made = sum(len(x["answer"]) for x in rows)
+            how = f"{len(rows)} answers ({name}, {made} tokens, {made / (time.time() - t0):.0f} tok/s)"
         t1 = time.time()
         rng, old = random.Random(r.seed + self.cycle), [x for x in self.answers.rows if x.get("cycle") != self.cycle]
         loss_sum = 0.0
@@ -229,7 +253,7 @@ class Run:
         for _ in range(r.steps_per_cycle):
             pick = [rng.choice(old) if old and rng.random() < r.replay else rng.choice(rows) for _ in range(r.batch)]
             for g in self.opt.param_groups:
-                g["lr"] = lr_at(self.step, r)
+                g["lr"] = lr_at(self.step, r, self.fresh_at)
             loss, n = kl_step(self.draft, self.target, pick, self.vocab)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -238,7 +262,7 @@ class Run:
             self.step, self.tokens, loss_sum = self.step + 1, self.tokens + n, loss_sum + loss.item()
         self.draft.eval()
         self.cycle += 1
-        log(f"cycle {self.cycle}: {len(rows)} answers ({name}, {made} tokens, {made / (t1 - t0):.0f} tok/s), "
+        log(f"cycle {self.cycle}: {how}, "
             f"{r.steps_per_cycle} steps (KL {loss_sum / r.steps_per_cycle:.3f}, "
             f"{r.steps_per_cycle * r.batch / (time.time() - t1):.2f} seq/s); {self.tokens:,} tokens seen, "
             f"{len(self.answers.rows)} answers stored")
@@ -277,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="a distillation recipe, e.g. configs/distill/smollm2.yaml")
     ap.add_argument("--cycles", type=int, default=0, help="stop after this many more cycles (0: run until killed)")
+    ap.add_argument("--minutes", type=float, default=0,
+                    help="stop after the cycle that passes this many minutes (0: no limit); it is measured and saved")
     ap.add_argument("--plot", action="store_true", help="only draw the learning curve from the exported draft")
     args = ap.parse_args(argv)
     try:
@@ -294,14 +320,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     if not run.curve:
         run.evaluate()
-    done = 0
+    done, start = 0, time.time()
     while not args.cycles or done < args.cycles:
         run.run_cycle()
         done += 1
         run.save()
-        if run.cycle % run.recipe.eval_every == 0 or (args.cycles and done == args.cycles):
+        last = (args.cycles and done == args.cycles) or (args.minutes and time.time() - start > 60 * args.minutes)
+        if run.cycle % run.recipe.eval_every == 0 or last:
             run.evaluate()
             run.save()
+        if last:
+            break
 
 
 if __name__ == "__main__":

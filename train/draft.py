@@ -29,7 +29,7 @@ def make_draft(target, layers: list[int]):
     for key in ("layer_types", "mlp_bias_layers"):  # per-layer lists, where a config keeps them
         if isinstance(getattr(config, key, None), list):
             setattr(config, key, [getattr(target.config, key)[i] for i in layers])
-    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(target.device)
     for new, old in enumerate(layers):
         draft.model.layers[new].load_state_dict(target.model.layers[old].state_dict())
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
@@ -135,7 +135,7 @@ def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def kl_step(draft, target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, int]:
     """Forward KL(p || q) at the answer positions of a batch, averaged -> (loss, positions)."""
-    ids, mask, scored = batch_of(rows)
+    ids, mask, scored = (t.to(target.device) for t in batch_of(rows))
     with torch.no_grad():
         p_logits = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float()
     q_logits = draft_logits(draft, ids, mask)[scored][:, :vocab].float()
@@ -148,7 +148,7 @@ def measure(draft, target, rows: list[dict], vocab: int) -> dict:
     """Top-1 agreement with the target's greedy token and mean alpha at T = 1 over held-out answer positions."""
     agree = alpha = n = 0.0
     for i in range(0, len(rows), 8):
-        ids, mask, scored = batch_of(rows[i: i + 8])
+        ids, mask, scored = (t.to(target.device) for t in batch_of(rows[i: i + 8]))
         p = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float().softmax(-1)
         q = draft_logits(draft, ids, mask)[scored][:, :vocab].float().softmax(-1)
         agree += float((p.argmax(-1) == q.argmax(-1)).sum())
