@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,10 +65,8 @@ class TextStream:
         self.line, self.written = [], 0
 
 
-def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | None = None,
-             policy: Policy | None = None, rule: Rule | None = None, max_new_tokens: int = 64,
-             temperature: float | None = None, top_p: float | None = None, seed: int = 0, threads: int = 2,
-             allow_sampling_mismatch: bool = False, profile: bool = False) -> None:
+@dataclass
+class Generate:
     """Stream the continuation of `prompt`, then print the round metrics.
 
     Args:
@@ -84,29 +83,48 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
         allow_sampling_mismatch: use a head trained under another sampling setting (warns).
         profile: also print where the time went (forwards, head, sampling, rule, bookkeeping).
     """
-    check_range("max_new_tokens", max_new_tokens, low=1)
-    check_range("threads", threads, low=1)
-    if temperature is not None:
-        check_range("temperature", temperature, low=0.0)
-    if top_p is not None:
-        check_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
+
+    prompt: str
+    pair: str = "configs/pairs/pycode.yaml"
+    head: str | None = None
+    policy: Policy | None = None
+    rule: Rule | None = None
+    max_new_tokens: int = 64
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int = 0
+    threads: int = 2
+    allow_sampling_mismatch: bool = False
+    profile: bool = False
+
+    def __post_init__(self):
+        check_range("max_new_tokens", self.max_new_tokens, low=1)
+        check_range("threads", self.threads, low=1)
+        if self.temperature is not None:
+            check_range("temperature", self.temperature, low=0.0)
+        if self.top_p is not None:
+            check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+
+
+def generate(args: Generate) -> None:
+    """Decode args.prompt with its policy and rule, streaming the text, then print the round metrics."""
     import torch
 
     from decode.engine import SpeculativeDecoder
     from decode.pair import load_pair
 
-    torch.set_num_threads(threads)
-    p = load_pair(pair)
-    overrides = {k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None}
+    torch.set_num_threads(args.threads)
+    p = load_pair(args.pair)
+    overrides = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
     p = p.with_sampling(**overrides) if overrides else p
-    policy = policy or (SpecDecPP(head, h=0.7) if head else FixedK(4))
-    if allow_sampling_mismatch and isinstance(policy, HeadPolicy):
+    policy = args.policy or (SpecDecPP(args.head, h=0.7) if args.head else FixedK(4))
+    if args.allow_sampling_mismatch and isinstance(policy, HeadPolicy):
         policy.allow_sampling_mismatch = True
-    dec = SpeculativeDecoder(p, policy, rule or SpeculativeSampling(), seed=seed)
-    ids = p.encode(prompt)
-    sys.stdout.write(prompt)
+    dec = SpeculativeDecoder(p, policy, args.rule or SpeculativeSampling(), seed=args.seed)
+    ids = p.encode(args.prompt)
+    sys.stdout.write(args.prompt)
     stream = TextStream(p.tokenizer, sys.stdout)
-    out = dec.generate(ids, max_new_tokens, on_tokens=stream)
+    out = dec.generate(ids, args.max_new_tokens, on_tokens=stream)
     stream.close()
     s = out.stats.summary()
     print(f"\n\n[{type(policy).__name__} + {type(dec.rule).__name__}] {s['new_tokens']} tokens, "
@@ -114,7 +132,7 @@ def generate(prompt: str, pair: str = "configs/pairs/pycode.yaml", head: str | N
           f"discard rate {s['discard_rate']:.3f}, verification rate {s['verification_rate']:.3f}, "
           f"mean accepted {s['mean_accepted']:.2f}; time draft {s['t_draft_s']:.3f}s target "
           f"{s['t_target_s']:.3f}s head {s['t_head_s']:.3f}s")
-    if profile:
+    if args.profile:
         print(f"profile: {out.stats.profile()}")
 
 
@@ -176,7 +194,7 @@ def main() -> None:
     from jsonargparse import CLI, ArgumentError
 
     try:
-        CLI(generate, args=sys.argv[2:], as_positional=False, exit_on_error=False)
+        generate(CLI(Generate, args=sys.argv[2:], as_positional=False, exit_on_error=False))
     except ArgumentError as e:  # jsonargparse tried each type of a Union: keep the reason that is ours
         sys.exit(fail(one_line(str(e))))
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback, exit 2 as argparse does
