@@ -17,7 +17,6 @@ import torch
 from decode.batch import BatchDecoder
 from decode.cache.kv import crop_cache, forward, rollback_cache
 from decode.clock import clock
-from decode.labels import accept_prob
 from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.results import Generation, Stats, check_prompt, check_prompts  # noqa: F401  (re-exported)
@@ -60,6 +59,34 @@ class Runner:
             self.length = length
 
 
+class TargetView:
+    """What a ceiling (Policy.sees_target) reads of the target, off the books: the text the round drafts after
+    (prefix: committed text and pending token), the generation's prompt and max_new, and the target's logits after
+    any prefix. Its time goes to stats.t_oracle, which the measured wall leaves out."""
+
+    def __init__(self, pair: Pair, now):
+        self.pair, self.now = pair, now
+        self.prefix: list[int] = []
+        self.prompt: list[int] = []
+        self.max_new, self.stats = 0, Stats()
+
+    def off_books(self, fn, *args):
+        """fn(*args), its time counted as the oracle's."""
+        t0 = self.now()
+        out = fn(*args)
+        self.stats.t_oracle += self.now() - t0
+        return out
+
+    def logits_after(self, prefix: list[int]) -> torch.Tensor:
+        """(V,) the target's raw logits after prefix, run over it whole."""
+        return self.off_books(self._logits_after, prefix)
+
+    @torch.no_grad()
+    def _logits_after(self, prefix: list[int]) -> torch.Tensor:
+        x = torch.tensor([prefix], device=self.pair.input_device("target"))
+        return self.pair.logits(self.pair.target(x).logits[0, -1])
+
+
 class SpeculativeDecoder:
     """generate(prompt_ids) with a policy and a rule; each call returns its own stats."""
 
@@ -73,6 +100,9 @@ class SpeculativeDecoder:
             return
         self.now = clock(pair.device)
         prepare(pair, policy, policy if isinstance(policy, HeadPolicy) else None)
+        self.view = TargetView(pair, self.now) if policy.sees_target else None
+        if self.view is not None:
+            policy.bind_view(self.view)
 
     def _timed(self, which: str, stats: Stats, fn, *args):
         t0 = self.now()
@@ -94,18 +124,12 @@ class SpeculativeDecoder:
         logits, hidden = self._timed("t_draft", stats, draft.feed, seq[draft.length:])
         stats.draft_calls += 1
         tokens, qs = [], []
-        if policy.needs_target_peek:
-            def peek(i: int) -> bool:
-                t0 = self.now()
-                ok = self._peek(seq + tokens[:i]) == tokens[i]
-                stats.t_oracle += self.now() - t0
-                return ok
-
-            policy.peek = peek
-        own, needs_alpha, head = policy.reads_own_state, policy.needs_alpha, isinstance(policy, HeadPolicy)
+        if self.view is not None:
+            self.view.prefix = seq
+        own, head = policy.reads_own_state, isinstance(policy, HeadPolicy)
         # Greedy on the CPU: the argmax alone per candidate, and the round's one-hot rows built at once when it ends
         # (a (V,) one-hot per candidate, right after each draft forward, cost more: docs/engine.md)
-        want_q = not (s.temperature == 0 and logits.device.type == "cpu") or needs_alpha
+        want_q = not (s.temperature == 0 and logits.device.type == "cpu")
         while True:
             t0 = self.now()
             raw = logits[-1]
@@ -119,10 +143,6 @@ class SpeculativeDecoder:
                 logits, hidden = self._timed("t_draft", stats, draft.feed, [tok])
                 stats.draft_calls += 1
             step = DraftStep(len(tokens) - 1, tok, q, raw, prev, hidden[-1] if own else None)
-            if needs_alpha:  # the perfect head reads the target's verdict, off the books
-                t0 = self.now()
-                step.alpha = self._alpha(seq + tokens[:-1], tok, q)
-                stats.t_oracle += self.now() - t0
             t0, t_oracle = self.now(), stats.t_oracle
             stop = policy.stop(step)
             stats.t_head += self.now() - t0 - (stats.t_oracle - t_oracle)
@@ -159,21 +179,6 @@ class SpeculativeDecoder:
         stats.t_rule += self.now() - t0
         return verdict
 
-    @torch.no_grad()
-    def _target_after(self, prefix: list[int]) -> torch.Tensor:
-        """(V,) the target's logits after prefix, run over it whole off the books (the ceilings only)."""
-        x = torch.tensor([prefix], device=self.pair.input_device("target"))
-        return self.pair.logits(self.pair.target(x).logits[0, -1])
-
-    def _alpha(self, prefix: list[int], token: int, q: torch.Tensor) -> float:
-        """min(1, p/q) of a candidate after prefix (the perfect head)."""
-        p = transform(self._target_after(prefix)[None], self.pair.config.sampling)[0]
-        return float(accept_prob(p[token], q[token].to(p.device)))
-
-    def _peek(self, prefix: list[int]) -> int:
-        """Target argmax after prefix (the first-disagreement oracle)."""
-        return int(self._target_after(prefix).argmax())
-
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
         """Prompt token ids -> new tokens (stops at EOS or max_new_tokens), text and stats.
 
@@ -193,10 +198,8 @@ class SpeculativeDecoder:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1], True)
             self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
         committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
-        if self.policy.needs_plan:  # the hindsight oracle looks ahead, off the books
-            t0 = self.now()
-            self.policy.plan(self.pair, prompt_ids, max_new_tokens)
-            stats.t_oracle += self.now() - t0
+        if self.view is not None:
+            self.view.prompt, self.view.max_new, self.view.stats = prompt_ids, max_new_tokens, stats
         self.policy.start()
         while len(out) < max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from decode.evaluation.ceilings import PerfectHead, hindsight, round_calls
+from decode.evaluation.ceilings import Oracle, PerfectHead, hindsight, round_calls
 from decode.evaluation.intervals import paired_ratio_ci
 from decode.evaluation.replay import CostLine, FreeRun, Trajectory, record, replay, speedup, target_alone_calls
-from decode.policies import AdaEDL, DraftConfidence, FixedK, Oracle
+from decode.policies import AdaEDL, DraftConfidence, FixedK
 from tests.test_decode import PROMPTS
 
 COSTS = [CostLine.parse("1.0,5.0,0.25"), CostLine.parse("1.4,5.0,1.5"), CostLine.parse("0.1,5.0,0.0")]
@@ -155,8 +155,9 @@ def test_the_replay_report_chooses_on_dev_and_prints_ceilings_and_what_heads_kno
 
 
 def test_the_engine_hands_the_perfect_head_each_candidates_true_alpha(tiny_pair):
-    """Under sampling the engine computes min(1, p/q) of every candidate off the books (a full target forward over
-    its prefix), the perfect head stops on it, and the wall time leaves that work out."""
+    """Under sampling the perfect head computes min(1, p/q) of every candidate through the engine's view of the
+    target, off the books (a full target forward over its prefix), stops on it, and the wall time leaves that work
+    out."""
     from decode.engine import SpeculativeDecoder
     from decode.labels import accept_prob
     from decode.rules.chain import SpeculativeSampling
@@ -166,9 +167,9 @@ def test_the_engine_hands_the_perfect_head_each_candidates_true_alpha(tiny_pair)
     seen = []
 
     class Spy(PerfectHead):
-        def stop(self, step):
-            seen.append((step.index, step.token, step.q, step.alpha))
-            return super().stop(step)
+        def alpha(self, step):
+            seen.append((step.index, step.token, step.q, a := super().alpha(step)))
+            return a
 
     dec = SpeculativeDecoder(pair, Spy(1.0, 5.0, 0.25), SpeculativeSampling(), seed=0)
     prompt = PROMPTS[0]

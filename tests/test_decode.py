@@ -9,7 +9,8 @@ from decode import labels as L
 from decode.allocator import steady_heap
 from decode.batch import BatchDecoder
 from decode.engine import Autoregressive, SpeculativeDecoder
-from decode.policies import FixedK, Oracle, SamplingMismatch, SpecDecPP, SprinterVerifier
+from decode.evaluation.ceilings import Oracle
+from decode.policies import FixedK, SamplingMismatch, SpecDecPP, SprinterVerifier
 from decode.rules.chain import FSD, FLy, GreedyMatch, SpeculativeSampling, SprinterCheck, greedy_verify
 from decode.sampling import transform
 from decode.streams import Streams

@@ -3,8 +3,9 @@
 import pytest
 
 from decode.engine import SpeculativeDecoder
+from decode.evaluation.ceilings import Oracle
 from decode.evaluation.replay import CostLine, record, replay, speedup, target_alone_calls
-from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, HeadPolicy, Oracle, SpecDecPP
+from decode.policies import AdaEDL, CostAwareStop, DraftConfidence, FixedK, HeadPolicy, SpecDecPP
 from decode.rules.chain import SpeculativeSampling
 from tests.test_decode import PROMPTS, export_head
 

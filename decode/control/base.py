@@ -109,9 +109,9 @@ class PerRow(BatchControl):
     """A decode.policies policy per row: the policy is copied for each row, so each copy keeps its row's state."""
 
     def __init__(self, policy: Policy):
-        if policy.needs_target_peek:
-            raise ValueError(f"{type(policy).__name__} peeks at the target off the books and decodes one sequence "
-                             "at a time: use decode.engine.SpeculativeDecoder")
+        if policy.sees_target:
+            raise ValueError(f"{type(policy).__name__} is a ceiling that reads the target off the books, one "
+                             "sequence at a time: use decode.engine.SpeculativeDecoder")
         self.policy, self.rows = policy, []
         self.needs_hidden, self.reads_own_state = policy.needs_hidden, policy.reads_own_state
 

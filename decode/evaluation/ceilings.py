@@ -3,6 +3,7 @@
     calls, n = hindsight(traj, cost, max_context)     # the cheapest call log that emits the recorded response
     PerfectHead()                                     # the cost-aware stop fed each candidate's true alpha
     HindsightOracle()                                 # hindsight's rounds as a policy the engine decodes with
+    Oracle()                                          # greedy: draft up to the first disagreement
 
 - hindsight: the round boundaries chosen by dynamic programming over what the recording knows of every candidate
   (under greedy, whether it equals the target's token; under sampling, whether its uniform falls below its
@@ -20,21 +21,66 @@
 
 from __future__ import annotations
 
-from decode.evaluation.replay import Trajectory, per_prompt, record
+import torch
+
+from decode.evaluation.replay import ReadsRecording, Trajectory, per_prompt, record
+from decode.labels import accept_prob
 from decode.policies import Policy, RenewalStop, check_max_len
+from decode.sampling import transform
+
+
+class Oracle(Policy, ReadsRecording):
+    """The first-disagreement oracle (SpecDec++ Thm 4.1), greedy: draft exactly up to the first candidate that
+    differs from the target's token. peek(i) answers whether candidate i equals it: the one-sequence decoder's
+    view of the target (off the books, not a target call) or replay's recording."""
+
+    sees_target = True
+
+    def __init__(self, max_len: int = 20):
+        self.max_len = check_max_len(max_len)
+        self.peek = None
+        self.drafted: list[int] = []
+
+    def bind_view(self, view) -> None:
+        super().bind_view(view)
+        self.peek = lambda i: int(view.logits_after(view.prefix + self.drafted[:i]).argmax()) == self.drafted[i]
+
+    def recorded_round(self, run, at, response):
+        self.peek = lambda j: at + j < len(response) and run.tokens[j] == response[at + j]
+
+    def reset(self):
+        self.drafted = []
+
+    def stop(self, step):
+        self.drafted.append(step.token)
+        return not self.peek(step.index)
 
 
 class PerfectHead(RenewalStop):
-    """CostAwareStop's rule on each candidate's true acceptance probability (step.alpha: from replay under sampling,
-    or from the engine off the books)."""
+    """CostAwareStop's rule on each candidate's true acceptance probability: step.alpha from replay under sampling,
+    or min(1, p/q) from the one-sequence decoder's view of the target, off the books."""
 
-    needs_alpha = True
+    sees_target = True
+    view = None
+
+    def reset(self):
+        super().reset()
+        self.drafted: list[int] = []
 
     def stop(self, step):
-        if getattr(step, "alpha", None) is None:
+        self.drafted.append(step.token)
+        alpha = getattr(step, "alpha", None)
+        if alpha is None and self.view is None:
             raise ValueError("PerfectHead reads each candidate's true acceptance probability, which replay supplies "
                              "only under sampling: replay a sampled setting, or decode with SpeculativeDecoder")
-        return self.given(step.alpha)
+        return self.given(self.alpha(step) if alpha is None else alpha)
+
+    def alpha(self, step) -> float:
+        """min(1, p/q) of the candidate after the round's prefix (q is its one-hot under greedy on the CPU)."""
+        v = self.view
+        p = transform(v.logits_after(v.prefix + self.drafted[:-1])[None], v.pair.config.sampling)[0]
+        q = torch.ones(()) if step.q is None else step.q[step.token]
+        return float(accept_prob(p[step.token], q.to(p.device)))
 
 
 def round_calls(feed: int, k: int) -> list[tuple[str, int]]:
@@ -99,20 +145,21 @@ class StepCosts:
                           for m, n in calls)
 
 
-class HindsightOracle(Policy):
+class HindsightOracle(Policy, ReadsRecording):
     """Greedy only: decode with the rounds hindsight() finds, so the bench's oracle is the cost-optimal limit.
 
-    Before a generation the engine hands it the prompt (plan); it records the target's greedy response and the
+    When a generation starts (start) it reads the prompt from the engine's view of the target, records the target's greedy response and the
     draft's run after every prefix, off the books, and chooses every round's length by dynamic programming over
     the decoder's measured step costs. Under greedy decoding the engine then meets exactly the recorded rounds."""
 
-    needs_plan = True
+    sees_target = True
     needs_costs = True
 
     def __init__(self, max_len: int = 20):
         self.max_len = check_max_len(max_len)
         self.cost: StepCosts | None = None
         self.rounds: list[int] = []
+        self.view = None  # bound by the one-sequence decoder; replay plans from its recording instead
 
     def set_costs(self, draft_ms: float, verify_ms: list[float], head_ms: float = 0.0) -> None:
         self.cost = StepCosts(draft_ms, verify_ms)  # it decides with no head
@@ -124,6 +171,10 @@ class HindsightOracle(Policy):
                              "decode with temperature 0, or compare sampling policies in replay against its ceilings")
         self.plan_rounds(record(pair, prompt, max_new, self.max_len, hidden=False), pair.config.max_context)
 
+    def recorded(self, traj, max_context):
+        self.view = None  # replay: plan from the recording, never from a view a decoder bound earlier
+        self.plan_rounds(traj, max_context)
+
     def plan_rounds(self, traj: Trajectory, max_context: int) -> None:
         if self.cost is None:
             raise ValueError("HindsightOracle has no step costs: decode with SpeculativeDecoder, which measures them")
@@ -131,6 +182,9 @@ class HindsightOracle(Policy):
         self.rounds = [n - 1 for m, n in calls[2 if len(traj.prompt) > 1 else 0:] if m == "target"]
 
     def start(self):
+        """A generation begins: with a view of the target, record it ahead and plan its rounds, off the books."""
+        if self.view is not None:
+            self.view.off_books(self.plan, self.view.pair, self.view.prompt, self.view.max_new)
         self.round = 0
 
     def stop(self, step):

@@ -152,6 +152,17 @@ def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: 
     return Trajectory(list(prompt), response, runs, max_new)
 
 
+class ReadsRecording:
+    """A ceiling (decode.evaluation.ceilings) that reads in replay what it reads of the target through the engine's
+    view: the whole recording before the generation, and each round's recorded run before the round."""
+
+    def recorded(self, traj: Trajectory, max_context: int) -> None:
+        pass
+
+    def recorded_round(self, run, at: int, response: list[int]) -> None:
+        pass
+
+
 def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tuple[str, int]], int]:
     """A policy's rounds over one trajectory -> the engine's call log and the number of new tokens.
 
@@ -162,15 +173,16 @@ def replay(traj: Trajectory, policy: Policy, max_context: int) -> tuple[list[tup
     T, y, out = len(traj.prompt), traj.response, 0
     calls = [("draft", T - 1), ("target", T - 1)] if T > 1 else []
     committed, draft_len = T - 1, T - 1
-    if getattr(policy, "needs_plan", False):  # the hindsight oracle plans from the recording itself
-        policy.plan_rounds(traj, max_context)
+    reads = isinstance(policy, ReadsRecording)
+    if reads:
+        policy.recorded(traj, max_context)
     policy.start()
     while out < len(y):
         limit = max(1, min(traj.max_new - out, max_context - committed - 2))
         run = traj.runs[out]
         policy.reset()
-        if policy.needs_target_peek:  # the oracle: does candidate j equal the target's token there?
-            policy.peek = lambda j, run=run, at=out: at + j < len(y) and run.tokens[j] == y[at + j]
+        if reads:
+            policy.recorded_round(run, out, y)
         calls.append(("draft", committed + 1 - draft_len))
         draft_len, k = committed + 1, 0
         own, head = policy.reads_own_state, isinstance(policy, HeadPolicy)

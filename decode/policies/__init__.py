@@ -19,7 +19,6 @@ from decode.policies.base import (
     DraftConfidence,
     DraftStep,
     FixedK,
-    Oracle,
     Policy,
     check_max_len,
     check_unit,
@@ -35,6 +34,6 @@ from decode.policies.heads import (
     matching_heads,
 )
 
-__all__ = ["AdaEDL", "CostAwareStop", "DraftConfidence", "DraftStep", "FixedK", "HeadPolicy", "Oracle", "Policy",
+__all__ = ["AdaEDL", "CostAwareStop", "DraftConfidence", "DraftStep", "FixedK", "HeadPolicy", "Policy",
            "RenewalStop", "SamplingMismatch", "SpecDecPP", "SprinterVerifier", "check_max_len", "check_unit",
            "draft_scalars", "matching_heads"]
