@@ -33,10 +33,10 @@ def resolve(class_path):
 def recipe_heads() -> set[str]:
     """checkpoints/<name> that the shipped recipes export (heads/<recipe>.yaml's ExportHead name)."""
     names = set()
-    for recipe in (ROOT / "heads").glob("*.yaml"):
+    for recipe in (ROOT / "heads").rglob("*.yaml"):
         for cb in yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", []):
             if cb["class_path"].endswith("ExportHead"):
-                names.add("checkpoints/" + cb["init_args"]["name"])
+                names.add(cb["init_args"].get("directory", "checkpoints") + "/" + cb["init_args"]["name"])
     return names
 
 

@@ -18,7 +18,7 @@ from train.labels import binary_kl, weighted_bce
 from train.sweep import config_with, set_export_name
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "heads").glob("*.yaml"))
+RECIPES = sorted((ROOT / "heads").rglob("*.yaml"))  # heads/<recipe>.yaml and a pair's own, heads/<pair>/
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_export_load_round_trip_and_draft_check(tmp_path):
     assert type(from_pretrained(tmp_path / "v")[0]) is LinearVerifier
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "heads").with_suffix("")))
 def test_every_recipe_parses_through_the_cli(recipe):
     from data_gen.quiet import own_args
     from train.cli import HeadCLI
@@ -129,7 +129,7 @@ def test_every_recipe_parses_through_the_cli(recipe):
     assert cfg.trainer.max_epochs >= 1
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "heads").with_suffix("")))
 def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tiny_target_labels, tiny_tree_labels, tmp_path, capsys):
     from train.cli import cli
 
