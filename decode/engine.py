@@ -20,7 +20,7 @@ from decode.clock import clock
 from decode.pair import Pair, input_device
 from decode.policies import DraftStep, HeadPolicy, Policy
 from decode.results import Generation, Stats, check_prompt, check_prompts  # noqa: F401  (re-exported)
-from decode.rounds import prepare, round_limit
+from decode.rounds import Texts, prepare, round_limit
 from decode.rules.chain import Rule, greedy_rows
 from decode.sampling import one_hots, pick, transform
 from decode.streams import Streams
@@ -197,37 +197,33 @@ class SpeculativeDecoder:
         if len(prompt_ids) > 1:
             self._timed("t_draft", stats, draft.feed, prompt_ids[:-1], True)
             self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
-        committed, pending, out = list(prompt_ids[:-1]), prompt_ids[-1], []
+        text = Texts([list(prompt_ids[:-1])], [prompt_ids[-1]], [[]], eos, max_new_tokens)
+        committed, out = text.committed[0], text.out[0]  # the one row's, updated in place by text.commit
         if self.view is not None:
             self.view.prompt, self.view.max_new, self.view.stats = prompt_ids, max_new_tokens, stats
         self.policy.start()
-        while len(out) < max_new_tokens:
+        while max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).
             limit = round_limit(max_new_tokens - len(out), len(committed), self.pair.config.max_context)
-            tokens, qs = self._draft_round(draft, committed + [pending], stats, limit)
-            logits, _ = self._timed("t_target", stats, target.feed, [pending] + tokens)
+            tokens, qs = self._draft_round(draft, committed + [text.pending[0]], stats, limit)
+            logits, _ = self._timed("t_target", stats, target.feed, [text.pending[0]] + tokens)
             stats.target_calls += 1
             n_acc, nxt = self._verify(tokens, qs, logits, stats)
             stats.rounds, stats.drafted = stats.rounds + 1, stats.drafted + len(tokens)
             stats.discarded += len(tokens) - n_acc
             stats.accepted.append(n_acc)
             self.policy.verified(n_acc, len(tokens))
-            committed += [pending] + tokens[:n_acc]
+            emitted = len(out)
+            ended = text.commit(0, tokens[:n_acc], nxt)  # the batched loop's commit and EOS cut (decode.rounds)
             draft.crop(len(committed))
             target.crop(len(committed))
-            new = tokens[:n_acc] + [nxt]
-            end = next((i for i, t in enumerate(new) if t in eos), None)
-            if end is not None:
-                new = new[: end + 1]
-            out += new
             if on_tokens is not None:
                 t0 = self.now()
-                on_tokens(new)
+                on_tokens(text.out[0][emitted:])  # (text.commit cuts a row's out to its budget anew)
                 stats.t_stream += self.now() - t0
-            pending = nxt
-            if end is not None:
+            if ended:
                 break
-        out = out[:max_new_tokens]
+        out = text.out[0]
         stats.new_tokens = len(out)
         stats.wall = self.now() - t_start - stats.t_oracle
         stats.calls = draft.calls  # shared with the target's runner: every forward, in order
