@@ -13,7 +13,9 @@ Every command first fixes glibc's malloc thresholds (decode.allocator; SPECHEADS
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -30,7 +32,9 @@ class BadOption(ValueError):
 
 def check_range(name: str, value: float, low: float | None = None, high: float | None = None,
                 low_open: bool = False) -> None:
-    """Raise BadOption naming the option when value is outside [low, high] ((low, high] if low_open)."""
+    """Raise BadOption naming the option when value is outside [low, high] ((low, high] if low_open) or not finite."""
+    if not math.isfinite(value):
+        raise BadOption(f"--{name} must be a finite number, got {value:g}")
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
         lo = "" if low is None else ("> " if low_open else ">= ") + f"{low:g}"
@@ -204,7 +208,12 @@ def main() -> None:
 def one_line(message: str) -> str:
     """The informative line of a jsonargparse error (the first '- reason' not about NoneType)."""
     reasons = [ln.strip()[2:] for ln in message.splitlines() if ln.strip().startswith("- ") and "NoneType" not in ln]
-    return reasons[0] if reasons else " ".join(ln.strip() for ln in message.splitlines())
+    if not reasons:
+        return " ".join(ln.strip() for ln in message.splitlines())
+    key = re.search(r'Parser key "([^"]+)"', message)
+    given = re.search(r"Given value: (.*)", message)
+    got = f", got {given[1].strip()}" if given and reasons[0].startswith("Expected") else ""  # a plain value's type
+    return (f"--{key[1]}: " if key else "") + reasons[0] + got
 
 
 def fail(message: str) -> int:

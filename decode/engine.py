@@ -101,8 +101,6 @@ class SpeculativeDecoder:
         self.now = clock(pair.device)
         prepare(pair, policy, policy if isinstance(policy, HeadPolicy) else None)
         self.view = TargetView(pair, self.now) if policy.sees_target else None
-        if self.view is not None:
-            policy.bind_view(self.view)
 
     def _timed(self, which: str, stats: Stats, fn, *args):
         t0 = self.now()
@@ -199,8 +197,9 @@ class SpeculativeDecoder:
             self._timed("t_target", stats, target.feed, prompt_ids[:-1], True)
         text = Texts([list(prompt_ids[:-1])], [prompt_ids[-1]], [[]], eos, max_new_tokens)
         committed, out = text.committed[0], text.out[0]  # the one row's, updated in place by text.commit
-        if self.view is not None:
+        if self.view is not None:  # bound anew each generation: a replay in between leaves the policy no stale view
             self.view.prompt, self.view.max_new, self.view.stats = prompt_ids, max_new_tokens, stats
+            self.policy.bind_view(self.view)
         self.policy.start()
         while max_new_tokens:
             # Never draft past max_new_tokens or past the context (the target verifies k + 1 positions).

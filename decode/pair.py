@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,8 +30,14 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"invalid sampling settings {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        number = (int, float)
+        ok = (isinstance(self.temperature, number) and not isinstance(self.temperature, bool)
+              and math.isfinite(self.temperature) and self.temperature >= 0
+              and isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0
+              and isinstance(self.top_p, number) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1)
+        if not ok:  # (NaN passes every comparison's negation: hence isfinite; an int k: torch.topk takes no float)
+            raise ValueError(f"invalid sampling settings {self}: need a finite temperature >= 0, a whole top_k >= 0 and "
+                             "0 < top_p <= 1")
 
     @property
     def name(self) -> str:

@@ -121,6 +121,13 @@ def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
         cost = StepCosts(oracle.cost.draft_ms, oracle.cost.verify_ms)
         others = [replay(traj, p, greedy.config.max_context)[0] for p in (Oracle(), *(FixedK(k) for k in (1, 3, 6)))]
         assert cost.predict_s(out.stats.calls) <= min(cost.predict_s(c) for c in others) + 1e-12
+    # one ceiling object through a decoder, replay and the decoder again: each reads its own source, never a stale one
+    for ceiling in (HindsightOracle(), Oracle()):
+        dec = SpeculativeDecoder(greedy, ceiling, GreedyMatch())
+        first = dec.generate(PROMPTS[1], 24)
+        replay(record(greedy, PROMPTS[2], 24, kmax=20, hidden=False), ceiling, greedy.config.max_context)
+        again = dec.generate(PROMPTS[1], 24)
+        assert again.tokens == first.tokens and again.stats.calls == first.stats.calls and again.stats.t_oracle > 0
     with pytest.raises(ValueError, match="greedy decoding only"):
         SpeculativeDecoder(tiny_pair.with_sampling(temperature=1.0), HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 8)
 

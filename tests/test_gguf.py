@@ -213,6 +213,8 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
                          ({"settings": [{"temp": 0}]}, "not a sampling setting"),
                          ({"seed": 0.5}, "seed takes a whole number >= 0"),
                          ({"device": "tpu"}, "device takes auto, cpu, cuda or cuda:N"),
+                         ({"settings": [{"temperature": 0.7, "top_k": 2.5}]}, "not a sampling setting"),
+                         ({"settings": [{"temperature": float("nan")}]}, "not a sampling setting"),
                          ({"target": {"path": str(target), "dtype": "float99"}}, "dtype is a torch dtype name")):
         recipe.write_text(yaml.safe_dump({**yaml.safe_load(text), **change}))
         with pytest.raises(SystemExit) as info:
@@ -233,3 +235,26 @@ def test_distillation_learning_rate_warms_up_whenever_the_optimiser_is_fresh_and
     got = [lr_at(s, decay) for s in range(0, 200, 10)]
     assert got[0] == 1.0 and abs(lr_at(50, decay) - 0.55) < 1e-9 and all(a >= b for a, b in zip(got, got[1:]))
     assert lr_at(100, decay) == lr_at(150, decay) == 0.1
+
+
+def test_a_distillation_killed_between_its_save_and_its_measure_measures_that_cycle_on_resume(tmp_path, cache):
+    from train import distill
+
+    recipe = distill_recipe(tmp_path, write_gguf(tmp_path / "target.gguf", layers=2, seed=0))
+    distill.main(["--config", str(recipe), "--cycles", "1"])  # cycle 1 saved and measured (the run's last)
+    real = distill.Run.evaluate
+
+    def killed(self):  # cycle 2 (eval_every 2) is saved, then the run dies measuring it
+        raise KeyboardInterrupt
+
+    distill.Run.evaluate = killed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill.main(["--config", str(recipe), "--cycles", "1"])
+    finally:
+        distill.Run.evaluate = real
+    distill.main(["--config", str(recipe), "--cycles", "1"])
+    info = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert [c["cycle"] for c in info["curve"]] == [0, 1, 2, 3]
+    with pytest.raises(SystemExit):
+        distill.main(["--config", str(recipe), "--minutes", "nan"])

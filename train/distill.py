@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="stop after the cycle that passes this many minutes (0: no limit); it is measured and saved")
     ap.add_argument("--plot", action="store_true", help="only draw the learning curve from the exported draft")
     args = ap.parse_args(argv)
+    if args.cycles < 0 or not 0 <= args.minutes < float("inf"):
+        ap.error(f"--cycles takes a whole number >= 0 and --minutes a finite number >= 0 (0: no limit), got "
+                 f"{args.cycles} and {args.minutes}")
     try:
         recipe = Recipe.from_yaml(args.config)
         if args.plot:
@@ -318,8 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
-    if not run.curve:
-        run.evaluate()
+    if not run.curve or (run.cycle % run.recipe.eval_every == 0 and run.curve[-1]["cycle"] != run.cycle):
+        run.evaluate()  # the first point, or one a run killed between its save and its measure left out
     done, start = 0, time.time()
     while not args.cycles or done < args.cycles:
         run.run_cycle()

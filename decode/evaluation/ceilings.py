@@ -46,6 +46,7 @@ class Oracle(Policy, ReadsRecording):
         self.peek = lambda i: int(view.logits_after(view.prefix + self.drafted[:i]).argmax()) == self.drafted[i]
 
     def recorded_round(self, run, at, response):
+        self.view = None  # replay: the recording answers (a decoder binds its view again before its generation)
         self.peek = lambda j: at + j < len(response) and run.tokens[j] == response[at + j]
 
     def reset(self):
@@ -56,12 +57,15 @@ class Oracle(Policy, ReadsRecording):
         return not self.peek(step.index)
 
 
-class PerfectHead(RenewalStop):
+class PerfectHead(RenewalStop, ReadsRecording):
     """CostAwareStop's rule on each candidate's true acceptance probability: step.alpha from replay under sampling,
     or min(1, p/q) from the one-sequence decoder's view of the target, off the books."""
 
     sees_target = True
     view = None
+
+    def recorded(self, traj, max_context):
+        self.view = None  # replay supplies alpha under sampling, and nothing under greedy: never a stale view's
 
     def reset(self):
         super().reset()
@@ -172,7 +176,7 @@ class HindsightOracle(Policy, ReadsRecording):
         self.plan_rounds(record(pair, prompt, max_new, self.max_len, hidden=False), pair.config.max_context)
 
     def recorded(self, traj, max_context):
-        self.view = None  # replay: plan from the recording, never from a view a decoder bound earlier
+        self.view = None  # replay: plan from the recording (a decoder binds its view again before its generation)
         self.plan_rounds(traj, max_context)
 
     def plan_rounds(self, traj: Trajectory, max_context: int) -> None:

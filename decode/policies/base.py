@@ -103,8 +103,8 @@ class Policy:
     reads_own_state = False  # stop() needs the state after reading the candidate (one more draft pass)
     needs_costs = False  # the decoder hands it the machine's step costs (set_costs) before decoding
     # A ceiling of the bench (decode.evaluation.ceilings) sees the target, off the books: the one-sequence decoder
-    # binds it a view of the target (bind_view) before decoding, and the time spent through the view is kept out of
-    # the measured wall. No policy a user decodes with sets it; batched decoding refuses one that does.
+    # binds it a view of the target (bind_view) before each generation, and the time spent through the view is kept
+    # out of the measured wall. No policy a user decodes with sets it; batched decoding refuses one that does.
     sees_target = False
 
     def bind_view(self, view) -> None:
