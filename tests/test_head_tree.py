@@ -68,7 +68,7 @@ def test_sampled_head_trees_keep_the_targets_law(tiny_pair, tmp_path):
 def test_a_chain_head_or_one_for_another_setting_is_refused_in_one_line(tiny_pair, tmp_path):
     pair = tiny_pair.with_sampling(temperature=0.0)
     chain = export_head(tmp_path, pair, position="prev", extras=["cand_logq"], depth=2, name="chain")
-    with pytest.raises(ValueError, match="trained on chain candidates .* heads/specdecpp-tree.yaml") as info:
+    with pytest.raises(ValueError, match="trained on chain candidates .* heads/pycode/specdecpp-tree.yaml") as info:
         HeadTree(chain)
     assert "\n" not in str(info.value)
     t1 = sibling_head(tmp_path, pair.with_sampling(temperature=1.0), name="t1")

@@ -103,7 +103,7 @@ def fit(args, capsys) -> tuple[int, list[str]]:
 
 
 def test_train_names_a_missing_build_config_or_unlabellable_label_folder_in_one_line(tmp_path, tiny_pair_yaml, capsys):
-    recipe = str(ROOT / "heads" / "specdecpp.yaml")
+    recipe = str(ROOT / "heads" / "pycode" / "specdecpp.yaml")
     code, err = fit(["--config", recipe, "--data.build_config", "nope.yaml"], capsys)
     assert code == 2 and len(err) == 1 and "nope.yaml" in err[0] and "configs/data_gen/pycode.yaml" in err[0], err
     # a label folder that is missing and cannot be labelled: its build config names a prompt file that is not there
@@ -148,7 +148,7 @@ def test_a_label_set_with_damaged_shards_names_them_relabels_their_prompts_and_t
             for cb in c["trainer"]["callbacks"]:
                 if cb["class_path"].endswith("ExportHead"):
                     cb["init_args"]["directory"] = str(tmp_path)
-        return ["--config", str(config_with(ROOT / "heads" / "specdecpp.yaml", edit))]
+        return ["--config", str(config_with(ROOT / "heads" / "pycode" / "specdecpp.yaml", edit))]
 
     code, err = fit(train_args(), capsys)  # training first: it names one bad shard and the command that repairs it
     assert code == 2 and len(err) == 1 and "python -m data_gen" in err[0], err

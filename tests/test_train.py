@@ -18,7 +18,7 @@ from train.labels import binary_kl, weighted_bce
 from train.sweep import config_with, set_export_name
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "heads").rglob("*.yaml"))  # heads/<recipe>.yaml and a pair's own, heads/<pair>/
+RECIPES = sorted((ROOT / "heads").rglob("*.yaml"))  # heads/<recipe>.yaml (smollm2) and heads/pycode/<recipe>.yaml
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def tiny_target_labels(tiny_pair_yaml, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_tree_labels(tiny_pair_yaml, tmp_path_factory):
-    """Target prefixes with 4 siblings labelled per position, what heads/specdecpp-tree.yaml reads."""
+    """Target prefixes with 4 siblings labelled per position, what heads/pycode/specdecpp-tree.yaml reads."""
     from tests.tiny import write_tiny_labels
 
     return write_tiny_labels(tmp_path_factory.mktemp("tree-labels"), tiny_pair_yaml, kinds=("target",), siblings=4)
@@ -140,6 +140,7 @@ def test_short_fit_and_export_per_recipe(recipe, tiny_labels, tiny_target_labels
     def edit(cfg):
         cfg["data"]["labels"] = str(yaml.safe_load(tiny_labels.read_text())["data"]["output"])
         cfg["data"]["build_config"] = str(tiny_labels)
+        cfg["data"].pop("train_split", None), cfg["data"].pop("val_split", None)  # the tiny set's are train and dev
         cfg["trainer"]["logger"] = False
         cfg["trainer"]["default_root_dir"] = str(tmp_path)
         set_export_name(cfg, "exported")
@@ -221,7 +222,7 @@ def test_sigterm_during_fit_saves_state_and_the_resumed_run_exports_the_same_hea
                     cb["init_args"]["directory"] = str(tmp_path / tag)
             if slow:
                 cfg["trainer"]["callbacks"].append({"class_path": "tests.tiny.SlowEpochs"})
-        path = config_with(ROOT / "heads" / "specdecpp.yaml", edit)
+        path = config_with(ROOT / "heads" / "pycode" / "specdecpp.yaml", edit)
         return path.rename(tmp_path / f"{tag}.yaml")
 
     cli(["fit", "--config", str(config("whole", slow=False))])

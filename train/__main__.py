@@ -2,7 +2,7 @@
 
     python -m train fit --config heads/specdecpp.yaml
     python -m train roc --heads checkpoints/sprinter checkpoints/specdecpp --split dev
-    python -m train sweep --config heads/specdecpp.yaml     # SpecDec++'s depth x w_rej grid
+    python -m train sweep --config heads/pycode/specdecpp.yaml     # SpecDec++'s depth x w_rej grid
 
 The typed __init__ of train.data.LabelData and train.module.HeadModule is the schema; the head
 and label family are chosen by class_path, and the feature size and label family are linked

@@ -1,8 +1,8 @@
 """Grids of recipes: one exported head per cell and one table of train/eval binary KL and AUROC.
 
-    python -m train sweep --config heads/specdecpp.yaml --prefix specdecpp \
+    python -m train sweep --config heads/pycode/specdecpp.yaml --prefix specdecpp \
         --set model.head.init_args.depth=1,3 --set data.label.init_args.w_rej=1,3,6,12
-    python -m train sweep --config heads/sprinter.yaml --prefix sprinter --set data.label.init_args.gamma=1,1.2,1.5
+    python -m train sweep --config heads/pycode/sprinter.yaml --prefix sprinter --set data.label.init_args.gamma=1,1.2,1.5
 
 Each cell is an ordinary `fit` of the recipe with the listed values replaced (dotted paths into
 the YAML); heads are exported to checkpoints/<prefix>-<short values>/. Other arguments pass
@@ -79,7 +79,7 @@ def run_cell(base: str, values: dict, name: str, extra: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m train sweep", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="heads/specdecpp.yaml")
+    ap.add_argument("--config", default="heads/pycode/specdecpp.yaml")
     ap.add_argument("--prefix", default="sweep")
     ap.add_argument("--set", action="append", default=[], help="dotted.path=v1,v2 (repeatable)")
     args, extra = ap.parse_known_args(argv)

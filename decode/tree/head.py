@@ -3,7 +3,7 @@
     BatchDecoder(pair, HeadTree("checkpoints/specdecpp-tree-greedy"), GreedyMatch())
     SpeculativeDecoder(pair, HeadTree("checkpoints/specdecpp-tree"), SpeculativeSampling())  # T = 1, the pair's own
 
-The head (trained by `python -m train fit --config heads/specdecpp-tree.yaml`, on data_gen's sibling labels) reads
+The head (trained by `python -m train fit --config heads/pycode/specdecpp-tree.yaml`, on data_gen's sibling labels) reads
 the draft's state after a node, the draft's entropy and top-1 there, a child's probability under the draft's raw
 softmax (as the labels' sib_q and a chain head's cand_logq) and its rank among its siblings, and says the chance
 that child is accepted once the siblings before it were rejected, a_j. The chance child j is the accepted one is then
@@ -63,12 +63,12 @@ class HeadTree(TreeShape):
             self.head = HeadPolicy(head_dir, allow_sampling_mismatch)
         except FileNotFoundError as e:
             raise ValueError(f"HeadTree's head_dir: {e}; export a sibling head with python -m train fit --config "
-                             "heads/specdecpp-tree.yaml") from e
+                             "heads/pycode/specdecpp-tree.yaml") from e
         spec = self.head.features
         if spec.position != "prev" or "cand_rank" not in spec.extras:
             raise ValueError(f"head {head_dir} was trained on chain candidates (features {spec.to_dict()}); a tree needs "
                              "a sibling head reading the state before its candidates and their rank (position prev, "
-                             "extra cand_rank): train one with python -m train fit --config heads/specdecpp-tree.yaml")
+                             "extra cand_rank): train one with python -m train fit --config heads/pycode/specdecpp-tree.yaml")
         self.top_k, self.depth, self.nodes, self.learn = top_k, depth, nodes, learn
         self.costs: CostModel | None = None
         self.runs = np.zeros(0, dtype=np.int64)  # each row's accepted run before this round (the extra accepted_run)
