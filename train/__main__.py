@@ -1,7 +1,7 @@
 """Train heads with LightningCLI, and analyse them.
 
     python -m train fit --config heads/specdecpp.yaml
-    python -m train roc --heads checkpoints/sprinter checkpoints/specdecpp --split dev
+    python -m train roc --heads checkpoints/smollm2/sprinter checkpoints/smollm2/specdecpp --split instruct_dev
     python -m train sweep --config heads/pycode/specdecpp.yaml     # SpecDec++'s depth x w_rej grid
 
 The typed __init__ of train.data.LabelData and train.module.HeadModule is the schema; the head
