@@ -218,11 +218,10 @@ class SpeculativeDecoder:
             target.crop(len(committed))
             if on_tokens is not None:
                 t0 = self.now()
-                on_tokens(text.out[0][emitted:])  # (text.commit cuts a row's out to its budget anew)
+                on_tokens(out[emitted:])
                 stats.t_stream += self.now() - t0
             if ended:
                 break
-        out = text.out[0]
         stats.new_tokens = len(out)
         stats.wall = self.now() - t_start - stats.t_oracle
         stats.calls = draft.calls  # shared with the target's runner: every forward, in order

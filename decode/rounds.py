@@ -82,7 +82,7 @@ class Texts:
         self.out[r] += new[: None if end is None else end + 1]
         self.pending[r] = nxt
         if end is not None or len(self.out[r]) >= self.budget:
-            self.out[r] = self.out[r][: self.budget]
+            del self.out[r][self.budget:]  # in place: a caller holding the row's list (the one-sequence loop) sees it
             return True
         return False
 

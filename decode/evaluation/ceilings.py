@@ -45,8 +45,7 @@ class Oracle(Policy, ReadsRecording):
         super().bind_view(view)
         self.peek = lambda i: int(view.logits_after(view.prefix + self.drafted[:i]).argmax()) == self.drafted[i]
 
-    def recorded_round(self, run, at, response):
-        self.view = None  # replay: the recording answers (a decoder binds its view again before its generation)
+    def recorded_round(self, run, at, response):  # (a decoder binds its view, and so its peek, again on generating)
         self.peek = lambda j: at + j < len(response) and run.tokens[j] == response[at + j]
 
     def reset(self):
@@ -62,7 +61,6 @@ class PerfectHead(RenewalStop, ReadsRecording):
     or min(1, p/q) from the one-sequence decoder's view of the target, off the books."""
 
     sees_target = True
-    view = None
 
     def recorded(self, traj, max_context):
         self.view = None  # replay supplies alpha under sampling, and nothing under greedy: never a stale view's
@@ -152,9 +150,10 @@ class StepCosts:
 class HindsightOracle(Policy, ReadsRecording):
     """Greedy only: decode with the rounds hindsight() finds, so the bench's oracle is the cost-optimal limit.
 
-    When a generation starts (start) it reads the prompt from the engine's view of the target, records the target's greedy response and the
-    draft's run after every prefix, off the books, and chooses every round's length by dynamic programming over
-    the decoder's measured step costs. Under greedy decoding the engine then meets exactly the recorded rounds."""
+    When a generation starts (start) it reads the prompt from the engine's view of the target, records the target's
+    greedy response and the draft's run after every prefix, off the books, and chooses every round's length by
+    dynamic programming over the decoder's measured step costs. Under greedy decoding the engine then meets exactly
+    the recorded rounds."""
 
     sees_target = True
     needs_costs = True
@@ -163,7 +162,6 @@ class HindsightOracle(Policy, ReadsRecording):
         self.max_len = check_max_len(max_len)
         self.cost: StepCosts | None = None
         self.rounds: list[int] = []
-        self.view = None  # bound by the one-sequence decoder; replay plans from its recording instead
 
     def set_costs(self, draft_ms: float, verify_ms: list[float], head_ms: float = 0.0) -> None:
         self.cost = StepCosts(draft_ms, verify_ms)  # it decides with no head

@@ -106,6 +106,7 @@ class Policy:
     # binds it a view of the target (bind_view) before each generation, and the time spent through the view is kept
     # out of the measured wall. No policy a user decodes with sets it; batched decoding refuses one that does.
     sees_target = False
+    view = None  # the view bind_view hands it (None: none bound, or replay reads the recording instead)
 
     def bind_view(self, view) -> None:
         """view: decode.engine.TargetView (the round's prefix, the prompt, the target's logits after a prefix)."""
