@@ -239,8 +239,9 @@ class Run:
         rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle]
         how = f"{len(rows)} stored answers reused"
         if not rows:
+            seed = r.seed + self.cycle * max(1000, r.answers_per_cycle)  # no two cycles' rows share a stream
             for i in range(0, len(chunk), r.rows):
-                rows += self.answered(chunk[i: i + r.rows], setting, r.seed + self.cycle * max(1000, r.answers_per_cycle) + i)
+                rows += self.answered(chunk[i: i + r.rows], setting, seed + i)
             for x in rows:
                 x["cycle"] = self.cycle
             self.answers.add(rows)

@@ -111,9 +111,9 @@ def teacher_pair(target, tokenizer, spec: ModelSpec, context: int):
     return Pair(cfg, target, target, tokenizer, len(tokenizer))
 
 
-def batch_of(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_of(rows: list[dict], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stored answers -> (B, T) ids right-padded, (B, T) attention mask, (B, T) which positions predict an answer
-    token (the last prompt token's through the answer's second-to-last)."""
+    token (the last prompt token's through the answer's second-to-last), on device."""
     seqs = [r["prompt"] + r["answer"] for r in rows]
     width = max(map(len, seqs))
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -123,7 +123,7 @@ def batch_of(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         ids[b, :len(s)] = torch.tensor(s)
         mask[b, :len(s)] = 1
         scored[b, len(r["prompt"]) - 1: len(s) - 1] = True
-    return ids, mask, scored
+    return ids.to(device), mask.to(device), scored.to(device)
 
 
 def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def kl_step(draft, target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, int]:
     """Forward KL(p || q) at the answer positions of a batch, averaged -> (loss, positions)."""
-    ids, mask, scored = (t.to(target.device) for t in batch_of(rows))
+    ids, mask, scored = batch_of(rows, target.device)
     with torch.no_grad():
         p_logits = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float()
     q_logits = draft_logits(draft, ids, mask)[scored][:, :vocab].float()
@@ -148,7 +148,7 @@ def measure(draft, target, rows: list[dict], vocab: int) -> dict:
     """Top-1 agreement with the target's greedy token and mean alpha at T = 1 over held-out answer positions."""
     agree = alpha = n = 0.0
     for i in range(0, len(rows), 8):
-        ids, mask, scored = (t.to(target.device) for t in batch_of(rows[i: i + 8]))
+        ids, mask, scored = batch_of(rows[i: i + 8], target.device)
         p = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float().softmax(-1)
         q = draft_logits(draft, ids, mask)[scored][:, :vocab].float().softmax(-1)
         agree += float((p.argmax(-1) == q.argmax(-1)).sum())
