@@ -177,18 +177,21 @@ class SpeculativeDecoder:
         stats.t_rule += self.now() - t0
         return verdict
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None,
+                 stop_at_eos: bool = True) -> Generation:
         """Prompt token ids -> new tokens (stops at EOS or max_new_tokens), text and stats.
 
-        on_tokens(list[int]) is called with each round's new tokens, for streaming.
+        on_tokens(list[int]) is called with each round's new tokens, for streaming. stop_at_eos=False decodes all
+        max_new_tokens through the EOS (a bench's fixed lengths, as the batched loop's).
         """
         prompt_ids = check_prompt(self.pair, prompt_ids, max_new_tokens)
         if self.rows is not None:
-            out = self.rows.generate([prompt_ids], max_new_tokens, streams=self.gen)[0]  # the engine's stream
+            out = self.rows.generate([prompt_ids], max_new_tokens, stop_at_eos,
+                                     streams=self.gen)[0]  # the engine's stream
             if on_tokens is not None and out.tokens:  # a batch emits when its row ends: one call, not one a round
                 on_tokens(out.tokens)
             return Generation(out.tokens, out.text, self.rows.stats)
-        stats, eos = Stats(), set(self.pair.eos_ids)
+        stats, eos = Stats(), set(self.pair.eos_ids) if stop_at_eos else set()
         draft = Runner(self.pair.draft, self.pair, hidden=self.policy.needs_hidden, name="draft")
         target = Runner(self.pair.target, self.pair, calls=draft.calls)
         t_start = self.now()
@@ -237,10 +240,12 @@ class Autoregressive:
         self.gen = Streams([seed], pair.device)
         self.now = clock(pair.device)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None) -> Generation:
-        """Prompt token ids -> new tokens, text and stats, one target (or draft) call per token."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, on_tokens=None,
+                 stop_at_eos: bool = True) -> Generation:
+        """Prompt token ids -> new tokens, text and stats, one target (or draft) call per token (stop_at_eos as
+        SpeculativeDecoder.generate's)."""
         prompt_ids = check_prompt(self.pair, prompt_ids, max_new_tokens)
-        stats, eos = Stats(), set(self.pair.eos_ids)
+        stats, eos = Stats(), set(self.pair.eos_ids) if stop_at_eos else set()
         runner = Runner(getattr(self.pair, self.which), self.pair, name=self.which)
         slot = "t_target" if self.which == "target" else "t_draft"
         t0 = self.now()

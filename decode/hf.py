@@ -201,8 +201,10 @@ def head_assistant(pair: Pair, hf: dict):
     return specdecpp_assistant(pair.draft, hf["head"], hf.get("h", 0.7), hf.get("max_len", 20), pair.tokenizer)
 
 
-def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assistant=None) -> tuple[list[int], Stats]:
-    """Hugging Face generate, assisted (hf: {'k': K}, {'confidence': c} or {'head': dir, 'h': h}) or not.
+def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assistant=None,
+                stop_at_eos: bool = True) -> tuple[list[int], Stats]:
+    """Hugging Face generate, assisted (hf: {'k': K}, {'confidence': c} or {'head': dir, 'h': h}) or not;
+    stop_at_eos=False generates all n tokens through the EOS.
 
     A head method reuses `assistant` (from head_assistant) when given; constant-K and confidence methods
     set the draft's generation config on every call, since methods share one draft.
@@ -231,7 +233,7 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
     x = torch.tensor([ids], device=pair.input_device("target"))
     now = clock(pair.device)
     t0 = now()
-    with clean_generation(pair, n):
+    with clean_generation(pair, n, stop_at_eos):
         out = pair.target.generate(x, attention_mask=torch.ones_like(x), **kwargs)[0, len(ids):].tolist()
     st = Stats(new_tokens=len(out), wall=now() - t0)
     if stop:

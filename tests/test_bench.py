@@ -348,3 +348,35 @@ def test_goals_against_the_fixed_k_chosen_on_dev():
     assert hindsight.startswith("- **vs hindsight K** — NOT met") and "SD K=3" in hindsight
     rows[0]["dev_choice"] = False  # no row marked: the goal has no line, rather than a guess
     assert goal_lines(rows, goals[:1]) == []
+
+
+def test_a_section_in_ignore_eos_decodes_every_method_through_its_eos(tmp_path):
+    """Fixed lengths under sampling: with EOS set to the token each method draws first, every kind of method (target
+    alone, our speculative decoder, Hugging Face's) stops after it, and with stop_at_eos False decodes all n."""
+    import dataclasses
+
+    from decode.evaluation.bench_config import Method
+    from decode.evaluation.measuring import generator_for
+    from decode.pair import load_pair
+    from tests.tiny import write_tiny_pair
+
+    tiny_pair = load_pair(write_tiny_pair(tmp_path, pad_rows=0))  # Hugging Face samples only with equal embeddings
+    ids, n = [5, 6, 7, 8], 12
+    sd = {"policy": {"class_path": "decode.policies.FixedK", "init_args": {"k": 3}},
+          "rule": {"class_path": "decode.rules.SpeculativeSampling"}}
+    for m in (Method("target", kind="target"), Method("SD", **sd), Method("HF", kind="hf", hf={"k": 2})):
+        first = generator_for(tiny_pair, m)(ids, n, 3)[0][0]
+        pair = dataclasses.replace(tiny_pair, eos_ids=(first,))
+        assert generator_for(pair, m)(ids, n, 3)[0] == [first], m.name
+        assert len(generator_for(pair, m, stop_at_eos=False)(ids, n, 3)[0]) == n, m.name
+
+
+def test_ignore_eos_must_name_a_setting_of_the_config(tmp_path):
+    from decode.evaluation.bench_config import load_config
+
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(TINY_BENCH | {"ignore_eos": ["t1.0"]}))
+    with pytest.raises(ValueError, match=r"ignore_eos names \['t1.0'\], which are not among its settings \['t1'\]"):
+        load_config(str(path), False, None)
+    path.write_text(yaml.safe_dump(TINY_BENCH | {"ignore_eos": ["t1"]}))
+    assert load_config(str(path), False, None)["ignore_eos"] == ["t1"]

@@ -69,8 +69,10 @@ def fingerprint(methods: list[Method]) -> str:
 
 
 def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path) -> list[dict]:
-    """One split of one section, resumed from `cache` when the same code did the same work before."""
-    key = hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
+    """One split of one section, resumed from `cache` when the same code did the same work before. A section whose
+    setting the config's ignore_eos names decodes every prompt's whole budget through its EOS (fixed lengths)."""
+    stop = pair.config.sampling.name not in cfg.get("ignore_eos", [])
+    key = hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"], stop,
                                      cfg["seed"], cfg["repeats"], pair.config.hash(),
                                      fingerprint(methods)]).encode()).hexdigest()[:16]
     path = cache / f"{slug(label)}-{key}.json"
@@ -88,14 +90,15 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
             costs.append(CostModel.measure(pair, prompts, n_max, cfg["cost_repeats"], growth=n, seed=len(costs)))
 
     generator_for(pair, methods[0])(prompts[0], 8, 0)  # warm-up
-    res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label, remeasure)
+    res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label, remeasure, stop)
     cost = CostModel.mean(costs)
     rows = rows_of(pair, methods, res, prompts, label, cost)
     target = next(r for r in rows if r["kind"] == "target")
     note = (f"cost model (mean of {len(costs)} measurements through the section): {cost.describe()}; "
             f"target alone measured/predicted time "
             f"{1 / target['engine_efficiency']:.3f} (goal within 10%)")
-    print(f"\n## {label}: {len(prompts)} prompts x {cfg['repeats']} repeats, {n} new tokens\n\n{note}\n\n{table(rows)}",
+    print(f"\n## {label}: {len(prompts)} prompts x {cfg['repeats']} repeats, {n} new tokens"
+          f"{'' if stop else ' (through EOS)'}\n\n{note}\n\n{table(rows)}",
           flush=True)
     cache.mkdir(parents=True, exist_ok=True)
     # the cost model itself, so that replay can price the same rows (python -m decode replay --check)

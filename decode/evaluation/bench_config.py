@@ -88,7 +88,11 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
                 prompt_sets: list[str] | None = None, settings: list[str] | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "cost_repeats": 7, "threads": 2, "quality_tolerance": 0.05,
-           "output": "runs/bench"} | yaml.safe_load(path.read_text())
+           "output": "runs/bench", "ignore_eos": []} | yaml.safe_load(path.read_text())
+    setting_names = [Sampling(**sec.get("sampling", {})).name for sec in cfg["sections"]]
+    if unknown := sorted(set(cfg["ignore_eos"]) - set(setting_names)):  # a typo would silently leave EOS on
+        raise ValueError(f"{path.name}: ignore_eos names {unknown}, which are not among its settings {setting_names}: name "
+                         "settings as the bench does (greedy, t0.7-p0.95, t1)")
     if repeats is not None:
         cfg["repeats"] = repeats
     if output is not None:
@@ -99,10 +103,9 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
             raise UnknownPromptSet(f"--prompt_sets {' '.join(unknown)}: {path.name} has {', '.join(names)}")
         cfg["prompt_sets"] = [ps for ps in cfg["prompt_sets"] if ps["name"] in prompt_sets]
     if settings:  # e.g. the greedy sections alone: --settings greedy
-        names = [Sampling(**sec.get("sampling", {})).name for sec in cfg["sections"]]
-        if unknown := [n for n in settings if n not in names]:
-            raise UnknownPromptSet(f"--settings {' '.join(unknown)}: {path.name} has {', '.join(names)}")
-        cfg["sections"] = [sec for sec, name in zip(cfg["sections"], names) if name in settings]
+        if unknown := [n for n in settings if n not in setting_names]:
+            raise UnknownPromptSet(f"--settings {' '.join(unknown)}: {path.name} has {', '.join(setting_names)}")
+        cfg["sections"] = [sec for sec, name in zip(cfg["sections"], setting_names) if name in settings]
     if quick:  # a smoke run: few prompts, few methods, no dev sweep, a coarse cost model
         cfg["repeats"], cfg["cost_repeats"] = 1, 3
         if output is None:  # never into the committed results: a scratch folder that git ignores

@@ -19,17 +19,18 @@ from decode.pair import Pair, Sampling
 from decode.streams import Streams
 
 
-def generator_for(pair: Pair, m: Method):
+def generator_for(pair: Pair, m: Method, stop_at_eos: bool = True):
     """(ids, n, seed) -> (tokens, Stats) for one method, built once per section (heads load once).
 
-    The decoder's generator is reseeded on every call, so every run starts alike.
+    The decoder's generator is reseeded on every call, so every run starts alike. stop_at_eos=False: every method
+    decodes all n tokens through its EOS (a section in the bench's ignore_eos).
     """
     if m.kind == "hf":
         assistant = head_assistant(pair, m.hf)
-        return lambda ids, n, seed: hf_generate(pair, ids, n, m.hf, seed, assistant)
+        return lambda ids, n, seed: hf_generate(pair, ids, n, m.hf, seed, assistant, stop_at_eos)
     if m.kind in ("target", "draft"):
         def alone(ids, n, seed):
-            g = Autoregressive(pair, m.kind, seed).generate(ids, n)
+            g = Autoregressive(pair, m.kind, seed).generate(ids, n, stop_at_eos=stop_at_eos)
             return g.tokens, g.stats
 
         return alone
@@ -37,20 +38,20 @@ def generator_for(pair: Pair, m: Method):
 
     def run(ids, n, seed):
         dec.gen = Streams([seed], pair.device)  # the seed's stream, as a decoder made with it draws
-        g = dec.generate(ids, n)
+        g = dec.generate(ids, n, stop_at_eos=stop_at_eos)
         return g.tokens, g.stats
 
     return run
 
 
 def interleaved(pair: Pair, methods: list[Method], prompts: list[list[int]], n: int, seed: int, repeats: int,
-                label: str, between=None) -> dict[str, list[list[tuple[list[int], Stats]]]]:
+                label: str, between=None, stop_at_eos: bool = True) -> dict[str, list[list[tuple[list[int], Stats]]]]:
     """name -> [prompt][repeat] -> (tokens, stats); methods back to back per prompt, order rotated.
 
     `between(done, total)` is called after each prompt (the cost model re-measures itself there).
     """
     out = {m.name: [[None] * repeats for _ in prompts] for m in methods}
-    runners = {m.name: generator_for(pair, m) for m in methods}
+    runners = {m.name: generator_for(pair, m, stop_at_eos) for m in methods}
     bar = tqdm(total=len(prompts) * repeats * len(methods), desc=f"bench {label}")
     for r in range(repeats):
         for i, ids in enumerate(prompts):

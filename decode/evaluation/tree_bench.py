@@ -1,6 +1,9 @@
 """python -m decode.evaluation.tree_bench --plan docs/bench/trees.json --settings greedy t1 [--sets pycode humaneval]
+    python -m decode.evaluation.tree_bench --pair configs/pairs/smollm2.yaml --plan docs/bench/smollm2/trees.json \\
+        --sets instruct humaneval --chain_head "checkpoints/smollm2/specdecpp-prev{suffix}" \\
+        --tree_head "checkpoints/smollm2/specdecpp-tree{suffix}" --out docs/bench/smollm2/trees.md
 
-Token trees against chains at batch 1 on the embedded pair: the target alone, fixed-K chains (K chosen on dev
+Token trees against chains at batch 1 (the embedded pair by default): the target alone, fixed-K chains (K chosen on dev
 prompts, and the best K on test in hindsight), the cost-aware chain (decode.policies.CostAwareStop on the setting's
 prev head), the Sequoia tree of decode.evaluation.tree_plan's plan, EAGLE-2's confidence tree and the head tree
 (decode.tree.HeadTree on the setting's sibling head), decoded one after another per test prompt in a seeded
@@ -32,8 +35,10 @@ from decode.tree.head import HeadTree
 from decode.tree.shapes import ConfidenceTree, StaticTree
 
 CHAINS = (1, 2, 3, 4, 6)
-# each set's dev prompts (the chain's K is chosen there) and test prompts, as configs/bench/pycode.yaml splits them
+# each set's dev prompts (the chain's K is chosen there) and test prompts, as configs/bench/pycode.yaml and
+# configs/bench/smollm2.yaml split them (instruct is the smollm2 pair's own prompt set, HumanEval posed as chat there)
 SETS = {"pycode": ({"name": "pycode", "split": "dev", "seed": 1}, {"name": "pycode", "split": "test", "seed": 0}),
+        "instruct": ({"name": "instruct", "split": "dev", "seed": 1}, {"name": "instruct", "split": "test", "seed": 0}),
         "humaneval": ({"name": "humaneval", "split": "test", "seed": 0},
                       {"name": "humaneval", "split": "test", "skip": 16, "seed": 0})}
 

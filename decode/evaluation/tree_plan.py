@@ -1,4 +1,5 @@
 """python -m decode.evaluation.tree_plan --pair configs/pairs/pycode.yaml --settings greedy t0.7-p0.95 t1
+    python -m decode.evaluation.tree_plan --pair configs/pairs/smollm2.yaml --set instruct --out docs/bench/smollm2/trees.json
 
 Sequoia's static tree for a pair on this machine: the positional acceptance vector of each sampling setting
 (teacher-forced over the target's own text on dev prompts), the cost tables of a draft level by width and of a
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pair", default="configs/pairs/pycode.yaml")
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--prompts", type=int, default=16, help="dev prompts measured (pycode dev split)")
+    ap.add_argument("--set", default="pycode", choices=["pycode", "instruct"], help="whose dev split is measured")
+    ap.add_argument("--prompts", type=int, default=16, help="dev prompts measured")
     ap.add_argument("--new", type=int, default=48, help="tokens per prompt")
     ap.add_argument("--nodes", type=int, default=64, help="the most nodes a tree may verify")
     ap.add_argument("--repeats", type=int, default=3, help="timings per cost-table cell (medians)")
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     from decode.tree.shapes import StaticTree
 
     base = load_pair(args.pair)
-    prompts = encode_prompts(base, {"name": "pycode", "split": "dev", "limit": args.prompts, "seed": 0}, args.new)
+    prompts = encode_prompts(base, {"name": args.set, "split": "dev", "limit": args.prompts, "seed": 0}, args.new)
     t0 = time.perf_counter()
     costs = tree_costs(base, prompts, nodes=args.nodes, width=min(16, args.nodes), repeats=args.repeats)
     print(f"costs ({time.perf_counter() - t0:.0f} s): draft level of 1/4/16 nodes "
