@@ -132,6 +132,32 @@ def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
         SpeculativeDecoder(tiny_pair.with_sampling(temperature=1.0), HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 8)
 
 
+def test_the_hindsight_oracle_plans_again_where_the_text_leaves_its_recording(tiny_pair, monkeypatch):
+    """In bfloat16 a verify can round a near-tie the other way than the recording did, so the decoded text leaves
+    the recording (here: its response is corrupted at token 5, or cut short): the oracle records and plans the rest
+    from the round's prefix, off the books, and the output is still the target's greedy text."""
+    from decode.engine import Autoregressive, SpeculativeDecoder
+    from decode.evaluation import ceilings
+    from decode.rules.chain import GreedyMatch
+
+    greedy = tiny_pair.with_sampling(temperature=0.0)
+    target = Autoregressive(greedy).generate(PROMPTS[0], 24).tokens
+    for corrupt in ("flip", "short"):
+        plans = []
+
+        def wrong_first(pair, prompt, max_new, kmax, hidden, corrupt=corrupt, plans=plans):
+            traj = record(pair, prompt, max_new if plans or corrupt == "flip" else 6, kmax, hidden=hidden)
+            if not plans and corrupt == "flip":
+                traj.response[5] = (traj.response[5] + 1) % 16  # the tiny vocabulary has more
+            plans.append(len(prompt))
+            return traj
+
+        monkeypatch.setattr(ceilings, "record", wrong_first)
+        out = SpeculativeDecoder(greedy, ceilings.HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 24)
+        assert out.tokens == target, corrupt
+        assert len(plans) >= 2 and plans[1] > plans[0], corrupt  # planned again, from a longer prefix
+
+
 def test_the_replay_report_chooses_on_dev_and_prints_ceilings_and_what_heads_know(tiny_pair, tmp_path, capsys):
     """Under sampling: every family's value chosen on dev, each row against the best fixed K chosen on dev with
     an interval, the perfect head and the hindsight oracle as ceilings, and each head's R^2 against alpha."""

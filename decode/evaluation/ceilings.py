@@ -152,8 +152,10 @@ class HindsightOracle(Policy, ReadsRecording):
 
     When a generation starts (start) it reads the prompt from the engine's view of the target, records the target's
     greedy response and the draft's run after every prefix, off the books, and chooses every round's length by
-    dynamic programming over the decoder's measured step costs. Under greedy decoding the engine then meets exactly
-    the recorded rounds."""
+    dynamic programming over the decoder's measured step costs. Under greedy decoding the engine then meets the
+    recorded rounds; in bfloat16 its verify of k + 1 tokens can round a near-tie of the target's top two logits
+    the other way than the recording's forward did, and where the text leaves the recording the rest is recorded
+    and planned again from there."""
 
     sees_target = True
     needs_costs = True
@@ -182,6 +184,7 @@ class HindsightOracle(Policy, ReadsRecording):
             raise ValueError("HindsightOracle has no step costs: decode with SpeculativeDecoder, which measures them")
         calls = hindsight(traj, self.cost, max_context)[0]
         self.rounds = [n - 1 for m, n in calls[2 if len(traj.prompt) > 1 else 0:] if m == "target"]
+        self.recording, self.round = (traj.prompt, traj.response), 0
 
     def start(self):
         """A generation begins: with a view of the target, record it ahead and plan its rounds, off the books."""
@@ -190,7 +193,18 @@ class HindsightOracle(Policy, ReadsRecording):
         self.round = 0
 
     def stop(self, step):
+        if step.index == 0 and self.view is not None and self.left_recording():
+            v = self.view  # the round's prefix is the prompt and every token out so far
+            self.view.off_books(self.plan, v.pair, v.prefix, v.max_new - (len(v.prefix) - len(v.prompt)))
         return step.index + 1 >= self.rounds[self.round]
+
+    def left_recording(self) -> bool:
+        """Has the decoded text left the recorded response (or its planned rounds), as a bfloat16 near-tie can make
+        it? The round's prefix is the recording's prompt and the tokens out since."""
+        (prompt, response), prefix = self.recording, self.view.prefix
+        out = prefix[len(prompt):]
+        return (self.round >= len(self.rounds) or prefix[:len(prompt)] != prompt
+                or out != response[:len(out)])
 
     def verified(self, accepted, drafted):
         self.round += 1
