@@ -334,6 +334,33 @@ def test_summary_table_takes_the_best_fixed_k_and_drops_families_the_run_lacks()
     assert "1.30 [1.20, 1.40] (K=3) | 1.20 [1.10, 1.30] (K=2)" in lines[2]
 
 
+def test_summary_joins_runs_of_other_sections_and_reads_the_named_heads(tmp_path, capsys):
+    """python -m decode summary over two runs' CSVs (one section each): one table with both, and the AUROC columns
+    read from the --head and --prev_head folders of each setting."""
+    import json
+
+    from decode.evaluation.summary import main
+
+    fields = ["prompts", "method", "family", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi"]
+    paths = []
+    for setting in ("greedy", "t1"):
+        path = tmp_path / setting / "bench.csv"
+        path.parent.mkdir()
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerow(dict(zip(fields, [f"instruct/test {setting}", "target", "target", "target", "20", "1", "1", "1"])))
+            w.writerow(dict(zip(fields, [f"instruct/test {setting}", "SD K=3", "fixed-K", "spec", "30", "1.5", "1.4", "1.6"])))
+        paths.append(str(path))
+    for name, auroc in (("h-greedy", 0.81), ("h", 0.71), ("p-greedy", 0.91), ("p", 0.61)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"metrics": {"auroc": auroc, "draft_confidence_auroc": 0.5}}))
+    main(paths + ["--head", str(tmp_path / "h"), "--prev_head", str(tmp_path / "p")])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and "| instruct | greedy |" in lines[2] and "| instruct | T = 1 |" in lines[3]
+    assert lines[2].endswith("| 0.810 / 0.500 | 0.910 / 0.500 |") and lines[3].endswith("| 0.710 / 0.500 | 0.610 / 0.500 |")
+
+
 def test_goals_against_the_fixed_k_chosen_on_dev():
     from decode.evaluation.goals import goal_lines
 
@@ -377,6 +404,9 @@ def test_ignore_eos_must_name_a_setting_of_the_config(tmp_path):
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(TINY_BENCH | {"ignore_eos": ["t1.0"]}))
     with pytest.raises(ValueError, match=r"ignore_eos names \['t1.0'\], which are not among its settings \['t1'\]"):
+        load_config(str(path), False, None)
+    path.write_text(yaml.safe_dump(TINY_BENCH | {"ignore_eos": "t1"}))
+    with pytest.raises(ValueError, match=r"ignore_eos is 't1'; give a list of setting names, e.g. \[t1\]"):
         load_config(str(path), False, None)
     path.write_text(yaml.safe_dump(TINY_BENCH | {"ignore_eos": ["t1"]}))
     assert load_config(str(path), False, None)["ignore_eos"] == ["t1"]

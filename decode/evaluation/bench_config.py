@@ -81,7 +81,8 @@ def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
 
 
 class UnknownPromptSet(ValueError):
-    """--prompt_sets or --settings named a set or a sampling setting the bench YAML does not have."""
+    """--prompt_sets, --settings or ignore_eos named a set or a sampling setting the bench YAML does not have: the
+    command says so in one line."""
 
 
 def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None,
@@ -90,9 +91,12 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "cost_repeats": 7, "threads": 2, "quality_tolerance": 0.05,
            "output": "runs/bench", "ignore_eos": []} | yaml.safe_load(path.read_text())
     setting_names = [Sampling(**sec.get("sampling", {})).name for sec in cfg["sections"]]
-    if unknown := sorted(set(cfg["ignore_eos"]) - set(setting_names)):  # a typo would silently leave EOS on
-        raise ValueError(f"{path.name}: ignore_eos names {unknown}, which are not among its settings {setting_names}: name "
-                         "settings as the bench does (greedy, t0.7-p0.95, t1)")
+    ignore = cfg["ignore_eos"]
+    if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
+        raise UnknownPromptSet(f"{path.name}: ignore_eos is {ignore!r}; give a list of setting names, e.g. [t1]")
+    if unknown := sorted(set(ignore) - set(setting_names)):  # a typo would silently leave EOS on
+        raise UnknownPromptSet(f"{path.name}: ignore_eos names {unknown}, which are not among its settings "
+                               f"{setting_names}: name settings as the bench does (greedy, t0.7-p0.95, t1)")
     if repeats is not None:
         cfg["repeats"] = repeats
     if output is not None:
