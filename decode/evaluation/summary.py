@@ -29,7 +29,8 @@ COLUMNS = [("best fixed K (hindsight)", "fixed-K"), ("fixed K chosen on dev", "f
            ("cost-aware stop", "cost-aware"), ("SPRINTER", "sprinter"),
            ("FSD + head", "fsd+head"), ("FSD + head, cost-aware", "fsd+cost-aware"),
            ("draft confidence", "draft-confidence"), ("AdaEDL", "adaedl"),
-           ("FLy", "fly"), ("HF + head", "hf-specdec++"), ("oracle", "oracle"),
+           ("FLy", "fly"), ("HF assisted (its threshold)", "hf-confidence"), ("HF + head", "hf-specdec++"),
+           ("oracle", "oracle"),
            ("perfect head", "perfect-head")]
 SETTINGS = {"greedy": "greedy", "t0.7-p0.95": "T = 0.7, top-p 0.95", "t1": "T = 1"}
 ROOT = Path(__file__).resolve().parents[2]
