@@ -40,6 +40,7 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.control import BatchCostAware, BatchSizeK
 from decode.costs.batch import batch_costs, table_sizes
 from decode.costs.model import tree_costs
+from decode.evaluation.bench_config import check_ignore_eos
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.report import pyplot
 from decode.hf import hf_generate_batch
@@ -80,10 +81,7 @@ class BatchBenchConfig:
     output: str = "docs/bench"
 
     def __post_init__(self):
-        names = {Sampling.of(raw).name for raw in self.settings}
-        if set(self.ignore_eos) - names:
-            raise ValueError(f"ignore_eos names {sorted(set(self.ignore_eos) - names)}, which are not among the "
-                             f"settings {sorted(names)}: name settings as the bench does (e.g. t1, greedy)")
+        check_ignore_eos(self.ignore_eos, [Sampling.of(raw).name for raw in self.settings])
 
 
 def encode(pair: Pair, spec: dict, tokens: int) -> list[list[int]]:

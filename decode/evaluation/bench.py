@@ -36,6 +36,7 @@ from decode.evaluation.bench_config import ROOT, Method, UnknownPromptSet, build
 from decode.evaluation.goals import goal_lines
 from decode.evaluation.measuring import choose, choose_by_replay, generator_for, interleaved, replayable, rows_of
 from decode.evaluation.report import from_root, pareto_plot, quality_plot, slug, table, write_readme
+from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling, load_pair
 
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
@@ -168,14 +169,13 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
     command = f"--config {config}" + (" --quick true" if quick else "") + \
         (f" --prompt_sets {' '.join(prompt_sets)}" if prompt_sets else "") + \
         (f" --settings {' '.join(settings)}" if settings else "")
-    write_outputs(out_dir, all_rows + dev_rows, md, dev_md, command, readme,
-                  (cfg.get("summary_head", "checkpoints/specdecpp"), cfg.get("summary_prev_head", "checkpoints/specdecpp-prev")))
+    write_outputs(out_dir, all_rows + dev_rows, md, dev_md, command, readme, (cfg["summary_head"], cfg["summary_prev_head"]))
     print(f"bench took {(time.perf_counter() - t_start) / 60:.1f} min (a section resumed from its cache adds nothing)")
     return all_rows
 
 
 def write_outputs(out_dir: Path, rows: list[dict], md: list[str], dev_md: list[str], command: str,
-                  readme: bool, heads: tuple[str, str] = ("checkpoints/specdecpp", "checkpoints/specdecpp-prev")) -> None:
+                  readme: bool, heads: tuple[str, str] = (HEAD, PREV_HEAD)) -> None:
     """bench.csv, bench.md and dev.md into out_dir, and with `readme` the summary table into README.md; heads: the
     SpecDec++ and prev heads' folders (setting suffix left off) whose dev AUROC the summary reads."""
     with open(out_dir / "bench.csv", "w", newline="") as f:

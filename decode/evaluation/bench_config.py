@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,18 +86,24 @@ class UnknownPromptSet(ValueError):
     command says so in one line."""
 
 
+def check_ignore_eos(ignore, settings: list[str], where: str = "") -> None:
+    """ignore_eos (of the bench or the batch bench) must be a list of the config's setting names: a typo would
+    silently leave EOS on."""
+    if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
+        raise UnknownPromptSet(f"{where}ignore_eos is {ignore!r}; give a list of setting names, e.g. [t1]")
+    if unknown := sorted(set(ignore) - set(settings)):
+        raise UnknownPromptSet(f"{where}ignore_eos names {unknown}, which are not among its settings "
+                               f"{settings}: name settings as the bench does (greedy, t0.7-p0.95, t1)")
+
+
 def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None,
                 prompt_sets: list[str] | None = None, settings: list[str] | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "cost_repeats": 7, "threads": 2, "quality_tolerance": 0.05,
-           "output": "runs/bench", "ignore_eos": []} | yaml.safe_load(path.read_text())
+           "output": "runs/bench", "ignore_eos": [], "summary_head": HEAD, "summary_prev_head": PREV_HEAD
+           } | yaml.safe_load(path.read_text())
     setting_names = [Sampling(**sec.get("sampling", {})).name for sec in cfg["sections"]]
-    ignore = cfg["ignore_eos"]
-    if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
-        raise UnknownPromptSet(f"{path.name}: ignore_eos is {ignore!r}; give a list of setting names, e.g. [t1]")
-    if unknown := sorted(set(ignore) - set(setting_names)):  # a typo would silently leave EOS on
-        raise UnknownPromptSet(f"{path.name}: ignore_eos names {unknown}, which are not among its settings "
-                               f"{setting_names}: name settings as the bench does (greedy, t0.7-p0.95, t1)")
+    check_ignore_eos(cfg["ignore_eos"], setting_names, f"{path.name}: ")
     if repeats is not None:
         cfg["repeats"] = repeats
     if output is not None:

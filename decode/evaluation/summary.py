@@ -32,6 +32,8 @@ COLUMNS = [("best fixed K (hindsight)", "fixed-K"), ("fixed K chosen on dev", "f
            ("FLy", "fly"), ("HF assisted (its threshold)", "hf-confidence"), ("HF + head", "hf-specdec++"),
            ("oracle", "oracle"),
            ("perfect head", "perfect-head")]
+# the embedded pair's heads, whose dev AUROC the table reads unless told others (the setting's suffix left off)
+HEAD, PREV_HEAD = "checkpoints/specdecpp", "checkpoints/specdecpp-prev"
 SETTINGS = {"greedy": "greedy", "t0.7-p0.95": "T = 0.7, top-p 0.95", "t1": "T = 1"}
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +43,7 @@ def cell(row: dict) -> str:
     return f"{s:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def head_auroc(setting: str, head: str = "checkpoints/specdecpp") -> str:
+def head_auroc(setting: str, head: str = HEAD) -> str:
     """'0.806 / 0.733': the head trained for `setting`'s dev AUROC and the draft confidence's, same event."""
     suffix = "" if setting == "t1" else f"-{setting}"  # the pair's own setting is T = 1
     path = ROOT / f"{head}{suffix}" / "config.json"
@@ -51,7 +53,7 @@ def head_auroc(setting: str, head: str = "checkpoints/specdecpp") -> str:
     return f"{m['auroc']:.3f} / {m['draft_confidence_auroc']:.3f}"
 
 
-def summary(rows: list[dict], head: str = "checkpoints/specdecpp", prev_head: str = "checkpoints/specdecpp-prev") -> str:
+def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> str:
     """bench.csv rows -> the markdown table (test splits only); head and prev_head: the folders (setting suffix
     left off) whose dev AUROC the last two columns read."""
     splits = sorted({r["prompts"] for r in rows if "/test " in r["prompts"]},
@@ -81,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m decode summary", description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path, nargs="+", help="a bench run's bench.csv (several: runs of other sections)")
-    ap.add_argument("--head", default="checkpoints/specdecpp", help="the SpecDec++ head's folder, suffix left off")
-    ap.add_argument("--prev_head", default="checkpoints/specdecpp-prev", help="the prev head's, suffix left off")
+    ap.add_argument("--head", default=HEAD, help="the SpecDec++ head's folder, suffix left off")
+    ap.add_argument("--prev_head", default=PREV_HEAD, help="the prev head's, suffix left off")
     ap.add_argument("--readme", type=lambda v: v.lower() in ("1", "true", "yes"), default=False,
                     help="also write the table into README.md's generated block")
     args = ap.parse_args(argv)
