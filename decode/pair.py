@@ -53,6 +53,11 @@ class Sampling:
         """A Sampling from a dict of its fields (as recorded in metadata and head configs)."""
         return raw if isinstance(raw, Sampling) else cls(**{k: raw[k] for k in ("temperature", "top_k", "top_p") if k in raw})
 
+    def head_suffix(self, own: Sampling) -> str:
+        """'' where this is the pair's own setting `own`, else '-<name>': where a head trained for this setting is
+        exported (checkpoints/specdecpp-greedy) and read from ("{suffix}" in the bench configs)."""
+        return "" if self.name == own.name else f"-{self.name}"
+
 
 @dataclass
 class ModelSpec:

@@ -410,3 +410,40 @@ def test_ignore_eos_must_name_a_setting_of_the_config(tmp_path):
         load_config(str(path), False, None)
     path.write_text(yaml.safe_dump(TINY_BENCH | {"ignore_eos": ["t1"]}))
     assert load_config(str(path), False, None)["ignore_eos"] == ["t1"]
+
+
+def test_replay_on_dev_records_through_the_eos_where_the_section_decodes_fixed_lengths(tiny_pair):
+    """A section in ignore_eos decodes test through its EOS, so the dev recordings that choose its grids must too."""
+    import dataclasses
+
+    from decode.evaluation.replay import record
+
+    greedy = tiny_pair.with_sampling(temperature=0.0)
+    first = record(greedy, [5, 6, 7, 8], 10).response[0]
+    pair = dataclasses.replace(greedy, eos_ids=(first,))
+    assert record(pair, [5, 6, 7, 8], 10).response == [first]
+    assert len(record(pair, [5, 6, 7, 8], 10, stop_at_eos=False).response) == 10
+
+
+def test_a_resumed_run_reuses_the_dev_choice_it_saved(tiny_pair, tmp_path, monkeypatch):
+    """The choice is made once: a second call reads it back instead of replaying with a freshly measured cost model
+    (which can tip a near-tie and send a finished test split to decode again); other dev work chooses anew."""
+    import decode.evaluation.bench as bench
+
+    grid = [bench.Method(f"K={k}", family="fixed", select="dev", policy={"class_path": "decode.policies.FixedK",
+                                                                          "init_args": {"k": k}}) for k in (2, 3)]
+    methods = [bench.Method("target", kind="target")] + grid
+    cfg = {"max_new_tokens": 8, "seed": 0, "repeats": 1, "ignore_eos": []}
+    picks = iter([1, 2, 2])
+
+    def choose(pair, ms, prompts, cfg, stop_at_eos):  # a replay whose pick changes between calls
+        k = next(picks)
+        return [ms[0], ms[k]], [f"chose {ms[k].name}"], set()
+
+    monkeypatch.setattr(bench, "choose_by_replay", choose)
+    first = bench.dev_choices(tiny_pair, "p/dev t1", [[1, 2, 3]], methods, cfg, tmp_path)
+    again = bench.dev_choices(tiny_pair, "p/dev t1", [[1, 2, 3]], methods, cfg, tmp_path)
+    assert [m.name for m in first[0]] == [m.name for m in again[0]] == ["target", "K=2"]
+    assert again[1] == ["chose K=2"]
+    other = bench.dev_choices(tiny_pair, "p/dev t1", [[1, 2, 4]], methods, cfg, tmp_path)  # other prompts
+    assert [m.name for m in other[0]] == ["target", "K=3"]

@@ -198,8 +198,7 @@ class LabelData(L.LightningDataModule):
         """'' for the pair's own setting, else '-<setting name>' (checkpoints/specdecpp-greedy)."""
         from decode.pair import PairConfig
 
-        own = PairConfig.from_yaml(yaml_pair(self.build_config)).sampling
-        return "" if self.setting.name == own.name else f"-{self.setting.name}"
+        return self.setting.head_suffix(PairConfig.from_yaml(yaml_pair(self.build_config)).sampling)
 
     @property
     def folder(self) -> Path:

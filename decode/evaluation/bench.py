@@ -40,9 +40,9 @@ from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling, load_pair
 
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
-__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "encode_prompts", "expand",
-           "fingerprint", "generator_for", "head_lines", "interleaved", "load_config", "replayable", "rows_of", "run",
-           "run_split", "write_outputs"]
+__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "dev_choices", "encode_prompts",
+           "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config", "replayable", "rows_of",
+           "run", "run_split", "stops_at_eos", "work_key", "write_outputs"]
 
 # decode modules that read, compare or present a split's saved rows and never make them: a change to them
 # re-renders the tables from the saved splits instead of decoding all twelve again (an hour on this machine)
@@ -69,14 +69,40 @@ def fingerprint(methods: list[Method]) -> str:
     return h.hexdigest()
 
 
+def stops_at_eos(pair: Pair, cfg: dict) -> bool:
+    """False where the config's ignore_eos names the pair's setting: its splits decode every prompt's whole budget."""
+    return pair.config.sampling.name not in cfg.get("ignore_eos", [])
+
+
+def work_key(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict) -> str:
+    """16 hex digits naming one split's work: the same key means the same prompts, methods, budget, seeds, pair and
+    code, so its saved result can stand in for doing it again."""
+    return hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
+                                      stops_at_eos(pair, cfg), cfg["seed"], cfg["repeats"], pair.config.hash(),
+                                      fingerprint(methods)]).encode()).hexdigest()[:16]
+
+
+def dev_choices(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path
+                ) -> tuple[list[Method], list[str], set[str]]:
+    """choose_by_replay on one dev split, saved beside the splits and reused by a resumed run: replay prices its
+    grids with a cost model measured now, and a fresh one can tip a near-tie (AdaEDL 0.05 one run, 0.1 the next),
+    which would change the test split's methods, hence its key, and decode a finished split again."""
+    path = cache / f"{slug(label)}-choices-{work_key(pair, label, prompts, methods, cfg)}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        print(f"\n## {label}: choices resumed from {path.name}\n" + "\n".join(saved["lines"]), flush=True)
+        return [m for m in methods if m.name in saved["kept"]], saved["lines"], set(saved["marked"])
+    kept, lines, marked = choose_by_replay(pair, methods, prompts, cfg, stops_at_eos(pair, cfg))
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kept": [m.name for m in kept], "lines": lines, "marked": sorted(marked)}))
+    return kept, lines, marked
+
+
 def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path) -> list[dict]:
     """One split of one section, resumed from `cache` when the same code did the same work before. A section whose
     setting the config's ignore_eos names decodes every prompt's whole budget through its EOS (fixed lengths)."""
-    stop = pair.config.sampling.name not in cfg.get("ignore_eos", [])
-    key = hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"], stop,
-                                     cfg["seed"], cfg["repeats"], pair.config.hash(),
-                                     fingerprint(methods)]).encode()).hexdigest()[:16]
-    path = cache / f"{slug(label)}-{key}.json"
+    stop = stops_at_eos(pair, cfg)
+    path = cache / f"{slug(label)}-{work_key(pair, label, prompts, methods, cfg)}.json"
     if path.exists():
         saved = json.loads(path.read_text())
         print(f"\n## {label}: resumed from {path.name}\n\n{saved['cost']}\n\n{table(saved['rows'])}", flush=True)
@@ -131,21 +157,19 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
     pair = load_pair(cfg["pair"])
     out_dir = Path(cfg["output"]) if Path(cfg["output"]).is_absolute() else ROOT / cfg["output"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    own = pair.config.sampling.name
     all_rows, dev_rows, md, dev_md = [], [], [], []
     for ps in cfg["prompt_sets"]:
         for sec in cfg["sections"]:
             setting = Sampling(**sec.get("sampling", {}))
             sec_pair = pair.with_sampling(**asdict(setting))
-            suffix = "" if setting.name == own else f"-{setting.name}"
-            methods = [m for raw in sec["methods"] for m in expand(dict(raw), suffix)]
+            methods = [m for raw in sec["methods"] for m in expand(dict(raw), setting.head_suffix(pair.config.sampling))]
             if quick:
                 methods = [m for m in methods if m.kind == "target" or m.name in cfg.get("quick_methods", [])]
             stem = f"{ps['name']}_{setting.name}"
             marked: set[str] = set()
             if "dev" in ps and not quick:  # grids our engine runs losslessly: chosen by replay, nothing decoded
-                methods, lines, marked = choose_by_replay(sec_pair, methods, encode_prompts(
-                    sec_pair, ps["dev"], cfg["max_new_tokens"]), cfg)
+                methods, lines, marked = dev_choices(sec_pair, f"{ps['name']}/dev {setting.name}", encode_prompts(
+                    sec_pair, ps["dev"], cfg["max_new_tokens"]), methods, cfg, out_dir / "sections")
                 if lines:
                     dev_md += [f"### {ps['name']}/dev {setting.name} (chosen by replay)", "\n".join(lines)]
             if "dev" in ps and not quick and any(m.select == "dev" and not replayable(m, setting) for m in methods):

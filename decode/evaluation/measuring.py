@@ -137,12 +137,13 @@ def replayable(m: Method, setting: Sampling, estimate: bool = False) -> bool:
     return (setting.temperature == 0 or estimate) and m.kind == "spec" and m.lossless
 
 
-def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]], cfg: dict
-                     ) -> tuple[list[Method], list[str], set[str]]:
+def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]], cfg: dict,
+                     stop_at_eos: bool = True) -> tuple[list[Method], list[str], set[str]]:
     """Each replayable `select: dev` grid keeps the value with the best replayed speedup on the dev prompts, priced by
     a cost model measured now (under sampling replay's estimate: decode.evaluation.replay); every other method is
     kept (its grid, if any, still decodes dev). A `select: mark` grid keeps every value and its dev choice is
-    returned too -> (methods, the lines saying what was chosen, the names of the marked choices)."""
+    returned too -> (methods, the lines saying what was chosen, the names of the marked choices). stop_at_eos=False
+    replays recordings through the EOS, as the section's test split decodes them."""
     from decode.evaluation.replay import Priced, record, speedup
 
     grids: dict[str, list[Method]] = {}
@@ -152,7 +153,7 @@ def choose_by_replay(pair: Pair, methods: list[Method], prompts: list[list[int]]
     if not grids:
         return methods, [], set()
     n = cfg["max_new_tokens"]
-    trajs = [record(pair, p, n) for p in prompts]
+    trajs = [record(pair, p, n, stop_at_eos=stop_at_eos) for p in prompts]
     cost = Priced(CostModel.measure(pair, prompts, 24, cfg["cost_repeats"], growth=n))
     chosen, lines = {}, []
     for family, group in grids.items():

@@ -108,18 +108,19 @@ class RecordedStep(DraftStep):
 
 @torch.no_grad()
 def record(pair: Pair, prompt: list[int], max_new: int, kmax: int = 20, hidden: bool = True,
-           seed: int = 0) -> Trajectory:
+           seed: int = 0, stop_at_eos: bool = True) -> Trajectory:
     """Prompt ids -> its trajectory under the pair's sampling setting (the draft reads as the engine's does).
 
     Greedy: the target's greedy response and the draft's greedy run after every prefix (exact). Sampling (an
     estimate, module docstring): a response drawn from the target and, after every prefix, the draft's run of
-    candidates drawn from q, with each one's acceptance probability under the target and a uniform."""
+    candidates drawn from q, with each one's acceptance probability under the target and a uniform.
+    stop_at_eos=False records all max_new tokens through the EOS, as a section that decodes fixed lengths does."""
     s = pair.config.sampling
     sampled = s.temperature > 0
     # a seed per prompt: with one seed for all, every response starts from the same uniform, and one that lands in
     # the EOS token's mass (6% of it at the first step here) ended every response at once
     seed = seed * 1_000_003 + zlib.crc32(json.dumps(prompt).encode())
-    response = Autoregressive(pair, seed=seed).generate(prompt, max_new).tokens
+    response = Autoregressive(pair, seed=seed).generate(prompt, max_new, stop_at_eos=stop_at_eos).tokens
     gen, coins = torch.Generator(device=pair.device).manual_seed(seed + 1), torch.Generator().manual_seed(seed + 2)
     draft, target = Runner(pair.draft, pair, hidden=hidden, name="draft"), Runner(pair.target, pair)
     if len(prompt) > 1:

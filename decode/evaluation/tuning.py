@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     base = load_pair(cfg["pair"])
     setting = settings[args.setting]
     pair = base.with_sampling(**vars(setting))
-    suffix = "" if setting.name == base.config.sampling.name else f"-{setting.name}"
+    suffix = setting.head_suffix(base.config.sampling)
     heads = args.heads if args.heads is not None else [f"checkpoints/{n}{suffix}" for n in ("specdecpp", "specdecpp-prev")]
     for name in args.prompt_sets or sets:
         trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"))
@@ -230,12 +230,13 @@ def check(cfg: dict, run: Path) -> None:
     for sec in cfg["sections"]:
         setting = Sampling(**sec.get("sampling", {}))
         pair = base.with_sampling(**vars(setting))
-        methods = {m.name: m for raw in sec["methods"] for m in expand(dict(raw), f"-{setting.name}")}
+        methods = {m.name: m for raw in sec["methods"] for m in expand(dict(raw), setting.head_suffix(base.config.sampling))}
         for f in (f for f in files if f.stem.rsplit("-", 1)[0].split("_", 2)[2] == setting.name):
             saved = json.loads(f.read_text())
             cost, rows = Priced(CostModel(**saved["cost_model"])), saved["rows"]
             target = next(r for r in rows if r["kind"] == "target")
-            trajs = [record(pair, p, cfg["max_new_tokens"]) for p in saved["prompts"]]
+            trajs = [record(pair, p, cfg["max_new_tokens"], stop_at_eos=setting.name not in cfg.get("ignore_eos", []))
+                     for p in saved["prompts"]]
             alone = sum(cost.predict_s(target_alone_calls(t)) for t in trajs)
             for r in rows:
                 m = methods.get(r["method"])
