@@ -61,14 +61,14 @@ class Runner:
 
 class TargetView:
     """What a ceiling (Policy.sees_target) reads of the target, off the books: the text the round drafts after
-    (prefix: committed text and pending token), the generation's prompt and max_new, and the target's logits after
-    any prefix. Its time goes to stats.t_oracle, which the measured wall leaves out."""
+    (prefix: committed text and pending token), the generation's prompt, max_new and whether it stops at the EOS,
+    and the target's logits after any prefix. Its time goes to stats.t_oracle, which the measured wall leaves out."""
 
     def __init__(self, pair: Pair, now):
         self.pair, self.now = pair, now
         self.prefix: list[int] = []
         self.prompt: list[int] = []
-        self.max_new, self.stats = 0, Stats()
+        self.max_new, self.stats, self.stop_at_eos = 0, Stats(), True
 
     def off_books(self, fn, *args):
         """fn(*args), its time counted as the oracle's."""
@@ -202,6 +202,7 @@ class SpeculativeDecoder:
         committed, out = text.committed[0], text.out[0]  # the one row's, updated in place by text.commit
         if self.view is not None:  # bound anew each generation: a replay in between leaves the policy no stale view
             self.view.prompt, self.view.max_new, self.view.stats = prompt_ids, max_new_tokens, stats
+            self.view.stop_at_eos = stop_at_eos
             self.policy.bind_view(self.view)
         self.policy.start()
         while max_new_tokens:

@@ -154,7 +154,8 @@ def check_vocabularies(draft_tok, target_tok) -> int:
 class Pair:
     """Loaded models (eval mode, frozen) and tokenizer; vocab is the shared tokenizer size V.
 
-    eos_ids: every token that ends a response (the generation config's list and the tokenizer's EOS).
+    eos_ids: every token that ends a response (the generation config's list and the tokenizer's EOS). own: the
+    setting the pair's YAML names, kept by with_sampling: heads trained for it have no suffix (head_suffix).
     """
 
     config: PairConfig
@@ -163,10 +164,17 @@ class Pair:
     tokenizer: object
     vocab: int
     eos_ids: tuple[int, ...] = ()
+    own: Sampling | None = None
 
     def __post_init__(self):
         if not self.eos_ids:
             self.eos_ids = eos_ids(self.target, self.tokenizer)
+        if self.own is None:
+            self.own = self.config.sampling
+
+    def head_suffix(self) -> str:
+        """The folder suffix of heads trained for the current setting: '' at the pair's own, else '-<name>'."""
+        return self.config.sampling.head_suffix(self.own)
 
     @property
     def device(self) -> torch.device:

@@ -425,25 +425,65 @@ def test_replay_on_dev_records_through_the_eos_where_the_section_decodes_fixed_l
     assert len(record(pair, [5, 6, 7, 8], 10, stop_at_eos=False).response) == 10
 
 
-def test_a_resumed_run_reuses_the_dev_choice_it_saved(tiny_pair, tmp_path, monkeypatch):
-    """The choice is made once: a second call reads it back instead of replaying with a freshly measured cost model
-    (which can tip a near-tie and send a finished test split to decode again); other dev work chooses anew."""
+def test_a_resumed_run_reuses_its_dev_choices_and_decodes_nothing_again(tmp_path, monkeypatch):
+    """The grid's choice is made once, on recordings through the EOS where the section decodes fixed lengths: the
+    second run reads it back, although replay would now choose otherwise (a freshly measured cost model can tip a
+    near-tie), so the test split keeps its key and nothing decodes again."""
     import decode.evaluation.bench as bench
+    from tests.tiny import write_tiny_pair
 
-    grid = [bench.Method(f"K={k}", family="fixed", select="dev", policy={"class_path": "decode.policies.FixedK",
-                                                                          "init_args": {"k": k}}) for k in (2, 3)]
-    methods = [bench.Method("target", kind="target")] + grid
-    cfg = {"max_new_tokens": 8, "seed": 0, "repeats": 1, "ignore_eos": []}
-    picks = iter([1, 2, 2])
+    cfg = {"pair": str(write_tiny_pair(tmp_path / "pair")), "output": str(tmp_path / "out"), "max_new_tokens": 6,
+           "threads": torch.get_num_threads(), "cost_repeats": 2, "ignore_eos": ["t1"],
+           "prompt_sets": [{"name": "pycode", "dev": {"split": "dev", "limit": 2}, "test": {"split": "test", "limit": 2}}],
+           "sections": [{"sampling": {"temperature": 1.0}, "methods": [
+               {"name": "target", "kind": "target"},
+               {"name": "SD K={v}", "family": "fixed", "select": "mark", "policy": {"class_path": "decode.policies.FixedK"},
+                "rule": {"class_path": "decode.rules.SpeculativeSampling"}, "grid": {"policy.k": [1, 2]}}]}]}
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    calls = []
 
-    def choose(pair, ms, prompts, cfg, stop_at_eos):  # a replay whose pick changes between calls
-        k = next(picks)
-        return [ms[0], ms[k]], [f"chose {ms[k].name}"], set()
+    def flipping(pair, methods, prompts, cfg, stop_at_eos):  # replay whose pick changes from one call to the next
+        calls.append(stop_at_eos)
+        return methods, [f"call {len(calls)}"], {f"SD K={len(calls)}"}
 
-    monkeypatch.setattr(bench, "choose_by_replay", choose)
-    first = bench.dev_choices(tiny_pair, "p/dev t1", [[1, 2, 3]], methods, cfg, tmp_path)
-    again = bench.dev_choices(tiny_pair, "p/dev t1", [[1, 2, 3]], methods, cfg, tmp_path)
-    assert [m.name for m in first[0]] == [m.name for m in again[0]] == ["target", "K=2"]
-    assert again[1] == ["chose K=2"]
-    other = bench.dev_choices(tiny_pair, "p/dev t1", [[1, 2, 4]], methods, cfg, tmp_path)  # other prompts
-    assert [m.name for m in other[0]] == ["target", "K=3"]
+    monkeypatch.setattr(bench, "choose_by_replay", flipping)
+    first = bench.run(str(path))
+    monkeypatch.setattr(bench, "interleaved", lambda *a, **k: pytest.fail("a finished split decoded again"))
+    again = bench.run(str(path))
+    assert calls == [False]  # chosen once, on recordings through the EOS
+    assert [(r["method"], r["dev_choice"]) for r in again] == [(r["method"], r["dev_choice"]) for r in first]
+    assert [r["method"] for r in first if r["dev_choice"]] == ["SD K=1"]
+    pair, loaded = bench.load_pair(cfg["pair"]), bench.load_config(str(path), False, None)
+    methods = [bench.Method("target", kind="target")]
+    assert bench.work_key(pair, "p", [[1]], methods, loaded) != bench.work_key(pair, "p", [[1]], methods, loaded | {
+        "ignore_eos": []}), "another length rule is other work"
+    cfg["sections"][0]["methods"].append({"name": "target", "kind": "draft"})
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ValueError, match="names target more than once"):
+        bench.run(str(path))
+
+
+def test_head_folders_follow_the_pairs_own_setting_wherever_they_are_read(tiny_pair, tmp_path, monkeypatch):
+    """Heads trained for the pair's own setting have no suffix, others '-<setting>', whatever the own setting is:
+    the pair keeps it through with_sampling, and the summary reads the head whose config names the setting."""
+    import dataclasses
+    import json
+
+    from decode.evaluation import summary
+    from decode.pair import Sampling
+
+    at_t1 = dataclasses.replace(tiny_pair, own=Sampling(temperature=1.0))
+    assert at_t1.with_sampling(temperature=1.0).head_suffix() == ""
+    assert at_t1.with_sampling(temperature=0.0).head_suffix() == "-greedy"
+    at_greedy = dataclasses.replace(tiny_pair, own=Sampling(temperature=0.0))  # qwen2.5's and llama3.2's pairs
+    assert at_greedy.with_sampling(temperature=0.0).head_suffix() == ""
+    assert at_greedy.with_sampling(temperature=1.0).head_suffix() == "-t1"
+    for folder, temperature, auroc in (("h", 0.0, 0.8), ("h-t1", 1.0, 0.6)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(
+            {"sampling": {"temperature": temperature}, "metrics": {"auroc": auroc, "draft_confidence_auroc": 0.5}}))
+    monkeypatch.setattr(summary, "ROOT", tmp_path)
+    assert summary.head_auroc("greedy", "h") == "0.800 / 0.500"
+    assert summary.head_auroc("t1", "h") == "0.600 / 0.500"
+    assert summary.head_auroc("t0.7-p0.95", "h") == "-"  # none trained for it: no figure rather than another's

@@ -145,7 +145,7 @@ def test_the_hindsight_oracle_plans_again_where_the_text_leaves_its_recording(ti
     for corrupt in ("flip", "short"):
         plans = []
 
-        def wrong_first(pair, prompt, max_new, kmax, hidden, corrupt=corrupt, plans=plans):
+        def wrong_first(pair, prompt, max_new, kmax, hidden, stop_at_eos=True, corrupt=corrupt, plans=plans):
             traj = record(pair, prompt, max_new if plans or corrupt == "flip" else 6, kmax, hidden=hidden)
             if not plans and corrupt == "flip":
                 traj.response[5] = (traj.response[5] + 1) % 16  # the tiny vocabulary has more
@@ -156,6 +156,32 @@ def test_the_hindsight_oracle_plans_again_where_the_text_leaves_its_recording(ti
         out = SpeculativeDecoder(greedy, ceilings.HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 24)
         assert out.tokens == target, corrupt
         assert len(plans) >= 2 and plans[1] > plans[0], corrupt  # planned again, from a longer prefix
+
+
+def test_the_hindsight_oracle_records_through_the_eos_where_the_generation_decodes_through_it(tiny_pair, monkeypatch):
+    """A fixed-length generation (stop_at_eos=False) decodes past its EOS: the oracle's recording must go there too,
+    or every round past it leaves the recording and plans again from a cut-short response."""
+    import dataclasses
+
+    from decode.engine import Autoregressive, SpeculativeDecoder
+    from decode.evaluation import ceilings
+    from decode.rules.chain import GreedyMatch
+
+    greedy = tiny_pair.with_sampling(temperature=0.0)
+    first = Autoregressive(greedy).generate(PROMPTS[0], 4).tokens[0]
+    pair = dataclasses.replace(greedy, eos_ids=(first,))  # the EOS is the first token the target emits
+    target = Autoregressive(pair).generate(PROMPTS[0], 24, stop_at_eos=False).tokens
+    plans = []
+
+    def counted(*args, **kw):
+        plans.append(kw.get("stop_at_eos", True))
+        return record(*args, **kw)
+
+    monkeypatch.setattr(ceilings, "record", counted)
+    oracle = ceilings.HindsightOracle()
+    out = SpeculativeDecoder(pair, oracle, GreedyMatch()).generate(PROMPTS[0], 24, stop_at_eos=False)
+    assert out.tokens == target and len(target) == 24
+    assert plans == [False] and len(oracle.recording[1]) == 24  # one plan, over the whole fixed length
 
 
 def test_the_replay_report_chooses_on_dev_and_prints_ceilings_and_what_heads_know(tiny_pair, tmp_path, capsys):

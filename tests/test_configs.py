@@ -48,15 +48,16 @@ SECTION_BENCHES = sorted(p for p in (ROOT / "configs" / "bench").glob("*.yaml") 
 def test_the_batch_bench_configs_are_their_schema_and_name_existing_heads(path):
     """configs/bench/batch*.yaml parse into decode.evaluation.batch's typed schema; every setting has its heads (the
     batch controller's and the head tree's)."""
-    from decode.evaluation.batch import BatchBenchConfig, suffix
-    from decode.pair import Sampling
+    from decode.evaluation.batch import BatchBenchConfig
+    from decode.pair import PairConfig, Sampling
 
     cfg = BatchBenchConfig(**yaml.safe_load(path.read_text()))
+    own = PairConfig.from_yaml(cfg.pair).sampling
     assert cfg.batch_sizes == sorted(cfg.batch_sizes) and all(b >= 1 for b in cfg.batch_sizes)
     for raw in cfg.settings:
-        head = ROOT / cfg.head.format(suffix=suffix(Sampling.of(raw)))
+        head = ROOT / cfg.head.format(suffix=Sampling.of(raw).head_suffix(own))
         assert (head / "config.json").exists(), head
-        tree = ROOT / cfg.tree_head.format(suffix=suffix(Sampling.of(raw)))
+        tree = ROOT / cfg.tree_head.format(suffix=Sampling.of(raw).head_suffix(own))
         assert not cfg.tree_head or (tree / "config.json").exists(), tree
     assert cfg.ignore_eos == ["t1"]  # sampled rows at fixed lengths; greedy rows stop at EOS
     with pytest.raises(ValueError, match="ignore_eos names"):
@@ -83,11 +84,10 @@ def test_bench_configs_name_real_classes_arguments_and_heads(path):
     from decode.pair import PairConfig, Sampling
 
     cfg = yaml.safe_load(path.read_text())
-    own = PairConfig.from_yaml(cfg["pair"]).sampling.name
+    own = PairConfig.from_yaml(cfg["pair"]).sampling
     methods = []
     for sec in cfg["sections"]:
-        name = Sampling(**sec.get("sampling", {})).name
-        suffix = "" if name == own else f"-{name}"
+        suffix = Sampling(**sec.get("sampling", {})).head_suffix(own)
         methods += [(suffix, m) for raw in sec["methods"] for m in expand(dict(raw), suffix)]
     assert any(m.kind == "target" for _, m in methods)
     exported = recipe_heads()

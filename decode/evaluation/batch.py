@@ -67,7 +67,7 @@ class BatchBenchConfig:
     repeats: dict[int, int] = field(default_factory=dict)  # batches per size on test (default 2)
     fixed_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     confidence: float = 0.4
-    head: str = "checkpoints/specdecpp-prev{suffix}"  # {suffix}: "" at T = 1, "-greedy", ...
+    head: str = "checkpoints/specdecpp-prev{suffix}"  # {suffix}: "" at the pair's own setting, "-greedy", ...
     tree_head: str = "checkpoints/specdecpp-tree{suffix}"  # the head tree's sibling head ("": no head tree)
     tree_sizes: list[int] = field(default_factory=lambda: [1, 8])  # the batch sizes the head tree decodes at
     max_new_tokens: int = 32
@@ -87,11 +87,6 @@ class BatchBenchConfig:
 def encode(pair: Pair, spec: dict, tokens: int) -> list[list[int]]:
     """A prompt set's prompts as ids, each its last `tokens` tokens."""
     return [pair.encode(r["prompt"], max_tokens=tokens) for r in PromptSet(**spec).load()]
-
-
-def suffix(s: Sampling) -> str:
-    """The head folder suffix of a setting: the pair's own T = 1 has none (heads/README's naming)."""
-    return "" if s.name == "t1" else f"-{s.name}"
 
 
 def batches(prompts: list[list[int]], b: int, count: int) -> list[list[list[int]]]:
@@ -130,7 +125,7 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
     out |= {f"SD K={k}": ours(lambda seed, k=k: BatchDecoder(pair, FixedK(k), rule, seed)) for k in cfg.fixed_k}
     if table is None:  # the dev pass: what the table and the single best K are chosen from
         return out
-    head = cfg.head.format(suffix=suffix(pair.config.sampling))
+    head = cfg.head.format(suffix=pair.head_suffix())
     ctl = BatchCostAware(head)  # one instance: its head loads once, its cost tables are measured once
     ctl.bind(pair.identity("draft"), pair.config.sampling)
     typical = min(cfg.prompt_tokens, 64) + cfg.max_new_tokens // 2
@@ -139,7 +134,7 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
         BatchDecoder(pair, ctl, rule, cfg.seed + 7 + 1000 * i).generate(batch, cfg.max_new_tokens, stop)
         print(f"batch-bench: the batch controller calibrates on dev batch {i + 1}/{len(calibration)} of {len(batch)} "
               "rows", flush=True)
-    tree = cfg.tree_head.format(suffix=suffix(pair.config.sampling)) if cfg.tree_head else ""
+    tree = cfg.tree_head.format(suffix=pair.head_suffix()) if cfg.tree_head else ""
     if tree and (Path(tree) / "config.json").exists():  # one shape: its head loads once, its costs are measured once
         shape = HeadTree(tree)
         shape.set_tree_costs(tree_costs(pair, calibration[0] if calibration else [[0]], nodes=shape.nodes,

@@ -25,6 +25,8 @@ import csv
 import hashlib
 import itertools
 import json
+import os
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,7 +44,7 @@ from decode.pair import Pair, Sampling, load_pair
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
 __all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "dev_choices", "encode_prompts",
            "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config", "replayable", "rows_of",
-           "run", "run_split", "stops_at_eos", "work_key", "write_outputs"]
+           "run", "run_split", "save_json", "split_files", "stops_at_eos", "work_key", "write_outputs"]
 
 # decode modules that read, compare or present a split's saved rows and never make them: a change to them
 # re-renders the tables from the saved splits instead of decoding all twelve again (an hour on this machine)
@@ -82,19 +84,34 @@ def work_key(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict) 
                                       fingerprint(methods)]).encode()).hexdigest()[:16]
 
 
+def split_files(out_dir: Path, stem: str) -> list[Path]:
+    """The saved splits of one prompt set, split and setting (stem 'instruct_test_t1'), oldest first."""
+    named = re.compile(re.escape(stem) + r"-[0-9a-f]{16}\.json")
+    return sorted((f for f in (out_dir / "sections").glob(f"{stem}-*.json") if named.fullmatch(f.name)),
+                  key=lambda f: f.stat().st_mtime)
+
+
+def save_json(path: Path, obj, **kw) -> None:
+    """obj as JSON at path, whole or not at all: a run killed while writing leaves no file a resume would choke on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".partial")
+    part.write_text(json.dumps(obj, **kw))
+    os.replace(part, path)
+
+
 def dev_choices(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path
                 ) -> tuple[list[Method], list[str], set[str]]:
-    """choose_by_replay on one dev split, saved beside the splits and reused by a resumed run: replay prices its
+    """choose_by_replay on one dev split, saved in cache/choices and reused by a resumed run: replay prices its
     grids with a cost model measured now, and a fresh one can tip a near-tie (AdaEDL 0.05 one run, 0.1 the next),
     which would change the test split's methods, hence its key, and decode a finished split again."""
-    path = cache / f"{slug(label)}-choices-{work_key(pair, label, prompts, methods, cfg)}.json"
+    path = cache / "choices" / f"{slug(label)}-{work_key(pair, label, prompts, methods, cfg)}.json"
     if path.exists():
         saved = json.loads(path.read_text())
         print(f"\n## {label}: choices resumed from {path.name}\n" + "\n".join(saved["lines"]), flush=True)
-        return [m for m in methods if m.name in saved["kept"]], saved["lines"], set(saved["marked"])
+        return [methods[i] for i in saved["kept"]], saved["lines"], set(saved["marked"])
     kept, lines, marked = choose_by_replay(pair, methods, prompts, cfg, stops_at_eos(pair, cfg))
-    cache.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"kept": [m.name for m in kept], "lines": lines, "marked": sorted(marked)}))
+    save_json(path, {"kept": [next(i for i, m in enumerate(methods) if m is k) for k in kept], "lines": lines,
+                     "marked": sorted(marked)})
     return kept, lines, marked
 
 
@@ -116,7 +133,7 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
         if done * 4 // total > (done - 1) * 4 // total:
             costs.append(CostModel.measure(pair, prompts, n_max, cfg["cost_repeats"], growth=n, seed=len(costs)))
 
-    generator_for(pair, methods[0])(prompts[0], 8, 0)  # warm-up
+    generator_for(pair, methods[0])(prompts[0], min(8, n), 0)  # warm-up (prompts leave room for n tokens)
     res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label, remeasure, stop)
     cost = CostModel.mean(costs)
     rows = rows_of(pair, methods, res, prompts, label, cost)
@@ -127,10 +144,8 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     print(f"\n## {label}: {len(prompts)} prompts x {cfg['repeats']} repeats, {n} new tokens"
           f"{'' if stop else ' (through EOS)'}\n\n{note}\n\n{table(rows)}",
           flush=True)
-    cache.mkdir(parents=True, exist_ok=True)
     # the cost model itself, so that replay can price the same rows (python -m decode replay --check)
-    path.write_text(json.dumps({"rows": rows, "cost": note, "cost_model": asdict(cost), "prompts": prompts},
-                               default=float))
+    save_json(path, {"rows": rows, "cost": note, "cost_model": asdict(cost), "prompts": prompts}, default=float)
     return rows
 
 
@@ -162,7 +177,10 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
         for sec in cfg["sections"]:
             setting = Sampling(**sec.get("sampling", {}))
             sec_pair = pair.with_sampling(**asdict(setting))
-            methods = [m for raw in sec["methods"] for m in expand(dict(raw), setting.head_suffix(pair.config.sampling))]
+            methods = [m for raw in sec["methods"] for m in expand(dict(raw), sec_pair.head_suffix())]
+            if twice := sorted({m.name for m in methods if [x.name for x in methods].count(m.name) > 1}):
+                raise ValueError(f"{config}: section {setting.name} names {', '.join(twice)} more than once: give "
+                                 "each method, and each grid value ({v}), a name of its own")
             if quick:
                 methods = [m for m in methods if m.kind == "target" or m.name in cfg.get("quick_methods", [])]
             stem = f"{ps['name']}_{setting.name}"

@@ -168,12 +168,14 @@ class HindsightOracle(Policy, ReadsRecording):
     def set_costs(self, draft_ms: float, verify_ms: list[float], head_ms: float = 0.0) -> None:
         self.cost = StepCosts(draft_ms, verify_ms)  # it decides with no head
 
-    def plan(self, pair, prompt: list[int], max_new: int) -> None:
-        """Record the generation ahead (decode.evaluation.replay.record) and plan its rounds."""
+    def plan(self, pair, prompt: list[int], max_new: int, stop_at_eos: bool = True) -> None:
+        """Record the generation ahead (decode.evaluation.replay.record; through the EOS as the generation decodes)
+        and plan its rounds."""
         if pair.config.sampling.temperature > 0:
             raise ValueError("HindsightOracle plans greedy decoding only (a sampled text differs from any recording): "
                              "decode with temperature 0, or compare sampling policies in replay against its ceilings")
-        self.plan_rounds(record(pair, prompt, max_new, self.max_len, hidden=False), pair.config.max_context)
+        self.plan_rounds(record(pair, prompt, max_new, self.max_len, hidden=False, stop_at_eos=stop_at_eos),
+                         pair.config.max_context)
 
     def recorded(self, traj, max_context):
         self.view = None  # replay: plan from the recording (a decoder binds its view again before its generation)
@@ -189,13 +191,13 @@ class HindsightOracle(Policy, ReadsRecording):
     def start(self):
         """A generation begins: with a view of the target, record it ahead and plan its rounds, off the books."""
         if self.view is not None:
-            self.view.off_books(self.plan, self.view.pair, self.view.prompt, self.view.max_new)
+            self.view.off_books(self.plan, self.view.pair, self.view.prompt, self.view.max_new, self.view.stop_at_eos)
         self.round = 0
 
     def stop(self, step):
         if step.index == 0 and self.view is not None and self.left_recording():
             v = self.view  # the round's prefix is the prompt and every token out so far
-            self.view.off_books(self.plan, v.pair, v.prefix, v.max_new - (len(v.prefix) - len(v.prompt)))
+            self.view.off_books(self.plan, v.pair, v.prefix, v.max_new - (len(v.prefix) - len(v.prompt)), v.stop_at_eos)
         return step.index + 1 >= self.rounds[self.round]
 
     def left_recording(self) -> bool:

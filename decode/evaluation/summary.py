@@ -44,13 +44,15 @@ def cell(row: dict) -> str:
 
 
 def head_auroc(setting: str, head: str = HEAD) -> str:
-    """'0.806 / 0.733': the head trained for `setting`'s dev AUROC and the draft confidence's, same event."""
-    suffix = "" if setting == "t1" else f"-{setting}"  # the pair's own setting is T = 1
-    path = ROOT / f"{head}{suffix}" / "config.json"
-    if not path.exists():
-        return "-"
-    m = json.loads(path.read_text())["metrics"]
-    return f"{m['auroc']:.3f} / {m['draft_confidence_auroc']:.3f}"
+    """'0.806 / 0.733': the head trained for `setting`'s dev AUROC and the draft confidence's, same event. The head
+    is `head`-<setting>, or `head` itself at the pair's own setting (no suffix): each config says its setting."""
+    from decode.pair import Sampling
+
+    for path in (ROOT / f"{head}-{setting}" / "config.json", ROOT / head / "config.json"):
+        if path.exists() and Sampling.of((cfg := json.loads(path.read_text()))["sampling"]).name == setting:
+            m = cfg["metrics"]
+            return f"{m['auroc']:.3f} / {m['draft_confidence_auroc']:.3f}"
+    return "-"
 
 
 def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> str:

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from decode.engine import Autoregressive, SpeculativeDecoder
-from decode.evaluation.batch import suffix
 from decode.evaluation.bench_config import encode_prompts
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.tree_plan import SETTINGS
@@ -48,7 +47,7 @@ def decoders(pair, paths, chain_head: str, tree_head: str) -> dict:
     templates of the setting's suffix."""
     rule = GreedyMatch() if pair.config.sampling.temperature == 0 else SpeculativeSampling()
     out = {"target": Autoregressive(pair)} | {f"chain K={k}": SpeculativeDecoder(pair, FixedK(k), rule) for k in CHAINS}
-    heads = {name: path.format(suffix=suffix(pair.config.sampling)) for name, path in
+    heads = {name: path.format(suffix=pair.head_suffix()) for name, path in
              (("chain cost-aware", chain_head), ("tree head", tree_head))}
     for name, path in heads.items():
         if not (Path(path) / "config.json").exists():

@@ -60,14 +60,17 @@ class ReplayConfig:
                 raise ValueError(f"a replay prompt set needs name, dev and test, got {sorted(ps)}")
 
 
-def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: Path) -> list[Trajectory]:
+def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: Path, stop_at_eos: bool = True
+             ) -> list[Trajectory]:
     """The trajectories of one prompt set's split, recorded once and kept in `folder` (keyed by pair and prompts).
-    Resumable: every 20 prompts the ones recorded so far are saved beside it, and a rerun goes on from them."""
+    Resumable: every 20 prompts the ones recorded so far are saved beside it, and a rerun goes on from them.
+    stop_at_eos=False records through the EOS, as the bench decodes a section its config's ignore_eos names."""
     from decode.evaluation.bench import encode_prompts
 
     prompts = encode_prompts(pair, ps[split], max_new)
     # "plain": the file format (save_trajectories); caches of the pickled format before it get another key
-    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, max_new, kmax, "plain"]).encode())
+    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, max_new, kmax, "plain"]
+                                    + ([] if stop_at_eos else ["through EOS"])).encode())
     path = folder / f"{ps['name']}-{split}-{pair.config.sampling.name}-{key.hexdigest()[:12]}.pt"
     if path.exists():
         return load_trajectories(path)
@@ -77,7 +80,7 @@ def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: 
         print(f"[replay] {ps['name']}/{split}: resuming after {len(trajs)} recorded prompts ({partial})", flush=True)
     t0 = time.perf_counter()
     for i in range(len(trajs), len(prompts)):
-        trajs.append(record(pair, prompts[i], max_new, kmax))
+        trajs.append(record(pair, prompts[i], max_new, kmax, stop_at_eos=stop_at_eos))
         done = i + 1
         if done % 20 == 0 or done == len(prompts):
             save_trajectories(trajs, partial)
@@ -91,7 +94,7 @@ def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: 
 def main(argv: list[str] | None = None) -> None:
     import yaml
 
-    from decode.evaluation.bench import load_config
+    from decode.evaluation.bench import load_config, stops_at_eos
     from decode.pair import Sampling, load_pair
 
     ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
@@ -124,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     base = load_pair(cfg["pair"])
     setting = settings[args.setting]
     pair = base.with_sampling(**vars(setting))
-    suffix = setting.head_suffix(base.config.sampling)
-    heads = args.heads if args.heads is not None else [f"checkpoints/{n}{suffix}" for n in ("specdecpp", "specdecpp-prev")]
+    heads = args.heads if args.heads is not None else [f"checkpoints/{n}{pair.head_suffix()}"
+                                                       for n in ("specdecpp", "specdecpp-prev")]
     for name in args.prompt_sets or sets:
-        trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"))
-                 for s in ("dev", "test")}
+        trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"),
+                             stops_at_eos(pair, cfg)) for s in ("dev", "test")}
         cost = cost_of(args.cost, pair, cfg, name, trajs["dev"])
         report(name, setting, trajs, cost, heads, pair.config.max_context)
 
@@ -138,13 +141,13 @@ def cost_of(spec: str, pair: Pair, cfg: dict, name: str, trajs: list[Trajectory]
     which prompts are being chosen on): the mean of the bench's saved ones of its sections in this setting, else
     one measured here on the dev prompts, or a line."""
     from decode.costs.model import CostModel
+    from decode.evaluation.bench import split_files
 
     if spec not in ("bench", "measure"):
         return CostLine.parse(spec)
     if spec == "bench":
-        saved = [json.loads(f.read_text()).get("cost_model") for split in ("dev", "test") for f in
-                 sorted(Path(cfg["output"]).glob(f"sections/{name}_{split}_{pair.config.sampling.name}-*.json"),
-                        key=lambda f: f.stat().st_mtime)[-1:]]
+        saved = [json.loads(f.read_text()).get("cost_model") for split in ("dev", "test")
+                 for f in split_files(Path(cfg["output"]), f"{name}_{split}_{pair.config.sampling.name}")[-1:]]
         if saved and all(saved):
             cost = Priced(CostModel.mean([CostModel(**raw) for raw in saved]))
             print(f"[replay] {name}: the bench's cost model (the mean of its {len(saved)} sections' in "
@@ -218,7 +221,7 @@ def check(cfg: dict, run: Path) -> None:
     cost-model speedup (both: the target alone's predicted time over the method's, summed over prompts). Greedy
     replay is exact (goal: within 5%); under sampling it is an estimate, and its own draws meet the bench's."""
     from decode.costs.model import CostModel
-    from decode.evaluation.bench import build, expand, replayable
+    from decode.evaluation.bench import build, expand, replayable, stops_at_eos
     from decode.pair import Sampling, load_pair
 
     base = load_pair(cfg["pair"])
@@ -230,12 +233,12 @@ def check(cfg: dict, run: Path) -> None:
     for sec in cfg["sections"]:
         setting = Sampling(**sec.get("sampling", {}))
         pair = base.with_sampling(**vars(setting))
-        methods = {m.name: m for raw in sec["methods"] for m in expand(dict(raw), setting.head_suffix(base.config.sampling))}
+        methods = {m.name: m for raw in sec["methods"] for m in expand(dict(raw), pair.head_suffix())}
         for f in (f for f in files if f.stem.rsplit("-", 1)[0].split("_", 2)[2] == setting.name):
             saved = json.loads(f.read_text())
             cost, rows = Priced(CostModel(**saved["cost_model"])), saved["rows"]
             target = next(r for r in rows if r["kind"] == "target")
-            trajs = [record(pair, p, cfg["max_new_tokens"], stop_at_eos=setting.name not in cfg.get("ignore_eos", []))
+            trajs = [record(pair, p, cfg["max_new_tokens"], stop_at_eos=stops_at_eos(pair, cfg))
                      for p in saved["prompts"]]
             alone = sum(cost.predict_s(target_alone_calls(t)) for t in trajs)
             for r in rows:
