@@ -354,7 +354,9 @@ def test_summary_joins_runs_of_other_sections_and_reads_the_named_heads(tmp_path
         paths.append(str(path))
     for name, auroc in (("h-greedy", 0.81), ("h", 0.71), ("p-greedy", 0.91), ("p", 0.61)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps({"metrics": {"auroc": auroc, "draft_confidence_auroc": 0.5}}))
+        sampling = {"temperature": 0.0 if name.endswith("-greedy") else 1.0}  # as the exporter writes it
+        (tmp_path / name / "config.json").write_text(json.dumps(
+            {"sampling": sampling, "metrics": {"auroc": auroc, "draft_confidence_auroc": 0.5}}))
     main(paths + ["--head", str(tmp_path / "h"), "--prev_head", str(tmp_path / "p")])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and "| instruct | greedy |" in lines[2] and "| instruct | T = 1 |" in lines[3]
