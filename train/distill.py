@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from decode.evaluation.report import write_atomic
 from decode.pair import ROOT, ModelSpec, load_model
 from decode.prompting import encode
-from train.draft import Store, answer, export, kl_step, make_draft, measure, teacher_pair, trained_state, write_atomic
+from train.draft import Store, answer, export, kl_step, make_draft, measure, teacher_pair, trained_state
 
 
 @dataclass

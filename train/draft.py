@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from decode.evaluation.report import write_atomic
 from decode.pair import ModelSpec
 
 
@@ -48,13 +48,6 @@ def share_embeddings(draft, target) -> None:
 def trained_state(draft) -> dict[str, torch.Tensor]:
     """The weights the draft owns: every one but the shared embeddings and output layer."""
     return {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
-
-
-def write_atomic(path: Path, write) -> None:
-    """write(tmp_path), then rename over path: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".part")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def export(draft, tokenizer, out: Path, info: dict) -> None:

@@ -25,7 +25,6 @@ import csv
 import hashlib
 import itertools
 import json
-import os
 import re
 import time
 from dataclasses import asdict
@@ -37,7 +36,7 @@ from decode.costs.model import CostModel
 from decode.evaluation.bench_config import ROOT, Method, UnknownPromptSet, build, encode_prompts, expand, load_config
 from decode.evaluation.goals import goal_lines
 from decode.evaluation.measuring import choose, choose_by_replay, generator_for, interleaved, replayable, rows_of
-from decode.evaluation.report import from_root, pareto_plot, quality_plot, slug, table, write_readme
+from decode.evaluation.report import from_root, pareto_plot, quality_plot, slug, table, write_atomic, write_readme
 from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling, load_pair
 
@@ -92,11 +91,9 @@ def split_files(out_dir: Path, stem: str) -> list[Path]:
 
 
 def save_json(path: Path, obj, **kw) -> None:
-    """obj as JSON at path, whole or not at all: a run killed while writing leaves no file a resume would choke on."""
+    """obj as JSON at path, its folder made, whole or not at all (write_atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".partial")
-    part.write_text(json.dumps(obj, **kw))
-    os.replace(part, path)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, **kw)))
 
 
 def dev_choices(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path

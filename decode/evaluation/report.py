@@ -1,7 +1,9 @@
-"""Tables and plots of bench rows (dicts as decode.evaluation.bench makes them)."""
+"""Tables and plots of bench rows (dicts as decode.evaluation.bench makes them), and the one way results reach disk
+whole (write_atomic)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 COLUMNS = [("method", "method", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
@@ -11,6 +13,14 @@ COLUMNS = [("method", "method", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("sp
            ("cost_model_tokens_per_s", "cost-model tok/s", "{:.1f}"), ("engine_efficiency", "measured/predicted speed", "{:.2f}"),
            ("target_nll", "target NLL", "{:.3f}"),
            ("greedy_agreement", "greedy agreement", "{:.3f}"), ("parse_rate", "parses", "{:.2f}")]
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(tmp_path), then rename over path: a reader sees the old file or the new one, never half of one (a run
+    killed while writing leaves nothing a resume would choke on)."""
+    tmp = path.with_name(path.name + ".part")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def table(rows: list[dict]) -> str:
