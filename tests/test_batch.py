@@ -307,3 +307,25 @@ def test_the_batch_bench_runs_every_method_once_per_batch_in_seeded_shuffled_ord
     calls.clear()
     measure(None, methods, [[[1]]] * 8, 3, "t")
     assert [calls[i * 6:(i + 1) * 6] for i in range(8)] == orders
+
+
+def test_the_batch_bench_keys_what_it_saves_by_the_config_that_made_it(tiny_pair, tmp_path):
+    """A saved (setting, B) stands in for measuring again only under the same config: more batches a size give
+    another file, a field the dev pass does not read leaves its choice standing, and writing a piece removes the
+    stale ones of its stem (unkeyed files of older runs too) but no other stem's."""
+    from decode.evaluation.batch import TEST_ONLY, BatchBenchConfig, cached, store
+
+    cfg = BatchBenchConfig(pair="x.yaml", head="none", tree_head="")
+    more = BatchBenchConfig(pair="x.yaml", head="none", tree_head="", repeats={32: 6})
+    a = cached(tmp_path, "greedy_b32", tiny_pair, cfg)
+    assert a == cached(tmp_path, "greedy_b32", tiny_pair, cfg)
+    assert a != cached(tmp_path, "greedy_b32", tiny_pair, more) and a.name.startswith("greedy_b32-")
+    assert cached(tmp_path, "dev_greedy", tiny_pair, cfg, TEST_ONLY) == cached(tmp_path, "dev_greedy", tiny_pair, more, TEST_ONLY)
+    assert cached(tmp_path, "dev_greedy", tiny_pair, cfg, TEST_ONLY) != cached(
+        tmp_path, "dev_greedy", tiny_pair, BatchBenchConfig(pair="x.yaml", head="none", tree_head="", fixed_k=[1]), TEST_ONLY)
+    for name in ("greedy_b32.json", "greedy_b3.json", "t1_b32.json"):
+        (tmp_path / name).write_text("[]")
+    store(a, [1])
+    store(cached(tmp_path, "greedy_b32", tiny_pair, more), [2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["greedy_b3.json", "t1_b32.json", cached(tmp_path, "greedy_b32", tiny_pair, more).name])

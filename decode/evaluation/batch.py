@@ -19,16 +19,18 @@ it, like the table, has learned on dev what drafting yields at each size), and a
 the dev batches at tree_sizes first, learning there where its trees pay). The fixed K
 best over all batch sizes on dev (geometric mean) is marked: a user who sets one K.
 Writes batch.csv, batch.md and batch_speedup.png to the output folder; each (setting, B) is saved as it finishes
-(batch_cache/), so an interrupted run resumes there.
+(batch_cache/, keyed by the config, pair, code and heads), so an interrupted run resumes there and a changed one
+measures again.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,8 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.control import BatchCostAware, BatchSizeK
 from decode.costs.batch import batch_costs, table_sizes
 from decode.costs.model import tree_costs
-from decode.evaluation.bench_config import check_ignore_eos
+from decode.evaluation.bench import code_fingerprint, save_json
+from decode.evaluation.bench_config import check_ignore_eos, stops_at_eos
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.report import pyplot
 from decode.hf import hf_generate_batch
@@ -104,7 +107,7 @@ def runners(pair: Pair, cfg: BatchBenchConfig, table: dict[int, int] | None, siz
     """name -> run(batch, seed) -> (tokens per row, wall s, per-row latency s, peak KV bytes or None, candidates drafted
     per row and round or None). calibration:
     dev batches the batch controller decodes first, as a server calibrates once (the table is chosen on them)."""
-    stop = pair.config.sampling.name not in cfg.ignore_eos
+    stop = stops_at_eos(pair, cfg.ignore_eos)
 
     def ours(make):
         def run(batch, seed):
@@ -186,10 +189,34 @@ def summarise(res: dict[str, list], prompts: str, setting: str, b: int, notes: d
     return rows
 
 
+# the config's fields that the dev pass (the table, the single K) does not read: changing them keeps its choice
+TEST_ONLY = ("test", "repeats", "confidence", "head", "tree_head", "tree_sizes", "output")
+
+
+def cached(cache: Path, stem: str, pair: Pair, cfg: BatchBenchConfig, skip: tuple[str, ...] = ("output",)) -> Path:
+    """Where one piece of the run is saved, named by a key of everything that made it (the config's fields but skip,
+    the pair, the code and heads: code_fingerprint), so a run with other settings, code or heads does it again instead
+    of reading a stale result. Older pieces of the same stem are removed when the new one is written (store)."""
+    fields = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    heads = [h.format(suffix=pair.head_suffix()) for h in (cfg.head, cfg.tree_head) if h and "head" not in skip]
+    key = hashlib.sha256(json.dumps([stem, fields, pair.config.hash(), code_fingerprint(heads)], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:16]
+    return cache / f"{stem}-{key}.json"
+
+
+def store(path: Path, obj) -> None:
+    """obj saved at path (whole or not at all), and the stale pieces of its stem gone."""
+    stem = path.name.rsplit("-", 1)[0]
+    save_json(path, obj)
+    for old in path.parent.glob(f"{stem}*.json"):
+        if old != path and stem in (old.stem, old.name.rsplit("-", 1)[0]):  # unkeyed (older runs) or keyed
+            old.unlink()
+
+
 def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache: Path, setting: str):
     """-> ({B: best K in 0..max, 0 being the target alone}, the single K best over all sizes), from one dev batch per
     size (four at B = 1), timed like the test batches."""
-    path = cache / f"dev_{setting}.json"
+    path = cached(cache, f"dev_{setting}", pair, cfg, TEST_ONLY)
     if path.exists():
         got = json.loads(path.read_text())
         return {int(b): k for b, k in got["table"].items()}, got["single"]
@@ -201,7 +228,7 @@ def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache
         speed[b] = {0: 1.0} | {k: float(np.mean(np.array([x[0] for x in res[f"SD K={k}"]]) / base)) for k in cfg.fixed_k}
     table = {b: max(s, key=s.get) for b, s in speed.items()}
     single = max(cfg.fixed_k, key=lambda k: float(np.mean([np.log(speed[b][k]) for b in speed])))
-    path.write_text(json.dumps({"table": table, "single": single, "speedups": speed}))
+    store(path, {"table": table, "single": single, "speedups": speed})
     return table, single
 
 
@@ -225,7 +252,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
         print(f"batch-bench {setting}: dev chose the table {table} and the single K = {single}", flush=True)
         methods = None  # built on first need: a finished run only rewrites its outputs
         for b in cfg.batch_sizes:
-            path = cache / f"{setting}_b{b}.json"
+            path = cached(cache, f"{setting}_b{b}", pair, cfg)
             if not path.exists():
                 if methods is None:  # the controller calibrates on the dev batches the table is chosen on
                     calibration = [g for size in cfg.batch_sizes for g in dev_batches(dev, size)]
@@ -235,7 +262,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
                 res = measure(pair, here, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
                          "batch-size table (dev)": f"K = {BatchSizeK(table).begin(b)} at this size"}
-                path.write_text(json.dumps(summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes)))
+                store(path, summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes))
             rows += json.loads(path.read_text())
     write(rows, out_dir, quick)
     print(f"batch bench took {(time.perf_counter() - t_start) / 60:.1f} min; {out_dir}/batch.csv, batch.md, batch_speedup.png")

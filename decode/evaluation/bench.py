@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from decode.costs.model import CostModel
-from decode.evaluation.bench_config import ROOT, Method, UnknownPromptSet, build, encode_prompts, expand, load_config
+from decode.evaluation.bench_config import (ROOT, Method, UnknownPromptSet, build, encode_prompts, expand, load_config,
+                                          stops_at_eos)
 from decode.evaluation.goals import goal_lines
 from decode.evaluation.measuring import choose, choose_by_replay, generator_for, interleaved, replayable, rows_of
 from decode.evaluation.report import from_root, pareto_plot, quality_plot, slug, table, write_atomic, write_readme
@@ -41,7 +42,7 @@ from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling, load_pair
 
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
-__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "dev_choices", "encode_prompts",
+__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "code_fingerprint", "dev_choices", "encode_prompts",
            "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config", "replayable", "rows_of",
            "run", "run_split", "save_json", "split_files", "stops_at_eos", "work_key", "write_outputs"]
 
@@ -57,12 +58,18 @@ def fingerprint(methods: list[Method]) -> str:
     A saved split is resumed only by the code and heads that made it: after a change to the engine or a
     retrained head the split runs again instead of mixing two versions in one table.
     """
+    return code_fingerprint([m.head_dir for m in methods if m.head_dir])
+
+
+def code_fingerprint(head_dirs: list[str]) -> str:
+    """sha256 of the decode and heads sources, the torch and transformers versions and these heads' files (fingerprint;
+    the batch bench keys its saved sizes by it)."""
     import transformers
 
     h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
     files = [f for f in sorted((ROOT / "decode").rglob("*.py")) if f.name not in PRESENTS_ROWS]
     files += sorted((ROOT / "heads").glob("*.py"))
-    for head in dict.fromkeys(m.head_dir for m in methods if m.head_dir):
+    for head in dict.fromkeys(d for d in head_dirs if (ROOT / d).is_dir()):
         files += [ROOT / head / "config.json", ROOT / head / "model.safetensors"]  # ROOT / an absolute path is it
     for f in files:
         h.update(f"{f.name}:{f.stat().st_size}:".encode())
@@ -70,16 +77,11 @@ def fingerprint(methods: list[Method]) -> str:
     return h.hexdigest()
 
 
-def stops_at_eos(pair: Pair, cfg: dict) -> bool:
-    """False where the config's ignore_eos names the pair's setting: its splits decode every prompt's whole budget."""
-    return pair.config.sampling.name not in cfg.get("ignore_eos", [])
-
-
 def work_key(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict) -> str:
     """16 hex digits naming one split's work: the same key means the same prompts, methods, budget, seeds, pair and
     code, so its saved result can stand in for doing it again."""
     return hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
-                                      stops_at_eos(pair, cfg), cfg["seed"], cfg["repeats"], pair.config.hash(),
+                                      stops_at_eos(pair, cfg["ignore_eos"]), cfg["seed"], cfg["repeats"], pair.config.hash(),
                                       fingerprint(methods)]).encode()).hexdigest()[:16]
 
 
@@ -106,7 +108,7 @@ def dev_choices(pair: Pair, label: str, prompts, methods: list[Method], cfg: dic
         saved = json.loads(path.read_text())
         print(f"\n## {label}: choices resumed from {path.name}\n" + "\n".join(saved["lines"]), flush=True)
         return [methods[i] for i in saved["kept"]], saved["lines"], set(saved["marked"])
-    kept, lines, marked = choose_by_replay(pair, methods, prompts, cfg, stops_at_eos(pair, cfg))
+    kept, lines, marked = choose_by_replay(pair, methods, prompts, cfg, stops_at_eos(pair, cfg["ignore_eos"]))
     save_json(path, {"kept": [next(i for i, m in enumerate(methods) if m is k) for k in kept], "lines": lines,
                      "marked": sorted(marked)})
     return kept, lines, marked
@@ -115,7 +117,7 @@ def dev_choices(pair: Pair, label: str, prompts, methods: list[Method], cfg: dic
 def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path) -> list[dict]:
     """One split of one section, resumed from `cache` when the same code did the same work before. A section whose
     setting the config's ignore_eos names decodes every prompt's whole budget through its EOS (fixed lengths)."""
-    stop = stops_at_eos(pair, cfg)
+    stop = stops_at_eos(pair, cfg["ignore_eos"])
     path = cache / f"{slug(label)}-{work_key(pair, label, prompts, methods, cfg)}.json"
     if path.exists():
         saved = json.loads(path.read_text())

@@ -96,6 +96,12 @@ def check_ignore_eos(ignore, settings: list[str], where: str = "") -> None:
                                f"{settings}: name settings as the bench does (greedy, t0.7-p0.95, t1)")
 
 
+def stops_at_eos(pair, ignore_eos: list[str]) -> bool:
+    """False where ignore_eos (the bench's or the batch bench's) names the pair's setting: its rows decode their whole
+    budget through their EOS."""
+    return pair.config.sampling.name not in ignore_eos
+
+
 def load_config(config: str, quick: bool, repeats: int | None, output: str | None = None,
                 prompt_sets: list[str] | None = None, settings: list[str] | None = None) -> dict:
     path = Path(config) if Path(config).is_absolute() else ROOT / config

@@ -94,7 +94,8 @@ def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: 
 def main(argv: list[str] | None = None) -> None:
     import yaml
 
-    from decode.evaluation.bench import load_config, stops_at_eos
+    from decode.evaluation.bench import load_config
+    from decode.evaluation.bench_config import stops_at_eos
     from decode.pair import Sampling, load_pair
 
     ap = argparse.ArgumentParser(prog="python -m decode replay", description=__doc__.splitlines()[0])
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                                                        for n in ("specdecpp", "specdecpp-prev")]
     for name in args.prompt_sets or sets:
         trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"),
-                             stops_at_eos(pair, cfg)) for s in ("dev", "test")}
+                             stops_at_eos(pair, cfg["ignore_eos"])) for s in ("dev", "test")}
         cost = cost_of(args.cost, pair, cfg, name, trajs["dev"])
         report(name, setting, trajs, cost, heads, pair.config.max_context)
 
@@ -221,7 +222,8 @@ def check(cfg: dict, run: Path) -> None:
     cost-model speedup (both: the target alone's predicted time over the method's, summed over prompts). Greedy
     replay is exact (goal: within 5%); under sampling it is an estimate, and its own draws meet the bench's."""
     from decode.costs.model import CostModel
-    from decode.evaluation.bench import build, expand, replayable, stops_at_eos
+    from decode.evaluation.bench import build, expand, replayable
+    from decode.evaluation.bench_config import stops_at_eos
     from decode.pair import Sampling, load_pair
 
     base = load_pair(cfg["pair"])
@@ -238,7 +240,7 @@ def check(cfg: dict, run: Path) -> None:
             saved = json.loads(f.read_text())
             cost, rows = Priced(CostModel(**saved["cost_model"])), saved["rows"]
             target = next(r for r in rows if r["kind"] == "target")
-            trajs = [record(pair, p, cfg["max_new_tokens"], stop_at_eos=stops_at_eos(pair, cfg))
+            trajs = [record(pair, p, cfg["max_new_tokens"], stop_at_eos=stops_at_eos(pair, cfg["ignore_eos"]))
                      for p in saved["prompts"]]
             alone = sum(cost.predict_s(target_alone_calls(t)) for t in trajs)
             for r in rows:
