@@ -242,10 +242,15 @@ def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tiny_pair, t
     from tests.test_head_tree import sibling_head
 
     plan, out = tmp_path / "trees.json", tmp_path / "trees.md"
-    tree_plan.main(["--pair", str(tiny_pair_yaml), "--prompts", "2", "--new", "6", "--settings", "greedy", "t1", "--nodes", "6", "--repeats", "1",
-                    "--out", str(plan)])
-    got = json.loads(plan.read_text())
-    assert set(got) >= {"greedy", "t1", "costs"} and all(len(got[s]["v"]) == 4 for s in ("greedy", "t1"))
+    def planned(*settings):
+        tree_plan.main(["--pair", str(tiny_pair_yaml), "--prompts", "2", "--new", "6", "--settings", *settings, "--nodes",
+                        "6", "--repeats", "1", "--out", str(plan)])
+        return json.loads(plan.read_text())
+
+    got = planned("greedy", "t1")
+    assert set(got) == {"pair", "greedy", "t1"} and all(len(got[s]["v"]) == 4 and got[s]["costs"] for s in ("greedy", "t1"))
+    again = planned("t1")  # planning one setting again keeps the other's tree
+    assert again["greedy"] == got["greedy"] and set(again) == {"pair", "greedy", "t1"}
     sibling_head(tmp_path, tiny_pair.with_sampling(temperature=1.0), name="tree")  # T = 1: no suffix
     tree_bench.main(["--pair", str(tiny_pair_yaml), "--plan", str(plan), "--settings", "t1", "--dev", "1", "--test", "2",
                      "--new", "6", "--out", str(out), "--tree_head", str(tmp_path / "tree{suffix}"),

@@ -5,6 +5,7 @@ Sequoia's static tree for a pair on this machine: the positional acceptance vect
 (teacher-forced over the target's own text on dev prompts), the cost tables of a draft level by width and of a
 verification by node count (decode.costs.model.CostModel, as the bench measures its steps), the tree that maximises tokens
 per millisecond under both, and what decoding the dev prompts with that tree then measured beside the prediction.
+The plan of the same pair in --out keeps the settings not planned now (each tree with the cost tables it was sized by).
 
 v[j] is the chance that the draft's (j+1)-th choice at a position is the token the round emits there: under greedy,
 that the target's argmax is the draft's (j+1)-th most likely token; under sampling, that recursive rejection over
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from decode.costs.model import CostModel, tree_costs
+from decode.evaluation.report import write_atomic
 from decode.pair import Pair, load_pair
 from decode.rules.tree import first_accepted
 from decode.sampling import transform
@@ -110,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{costs.call_ms('draft', 1):.2f}/{costs.call_ms('draft', 4):.2f}/{costs.call_ms('draft', 16):.2f} ms; "
           f"verify of 1/9/17/33/65 tokens " + "/".join(f"{costs.call_ms('target', n, True):.1f}"
                                                        for n in (1, 9, 17, 33, 65) if n <= args.nodes + 1) + " ms", flush=True)
-    plan = {"pair": base.config.name, "costs": {"draft": costs.step["draft"], "verify": costs.switched["target"]}}
+    # a plan of the same pair keeps its other settings' trees: one setting can be planned at a time
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    plan = ({k: v for k, v in old.items() if k != "costs"} if old.get("pair") == base.config.name else {}) | \
+        {"pair": base.config.name}
+    measured = {"draft": costs.step["draft"], "verify": costs.switched["target"]}
     print("| setting | v (ranks 1-4) | tree: nodes, depth, level widths | tokens/round predicted | measured "
           "| nodes/round | tok/s |\n|---|---|---|---|---|---|---|")
     for name in args.settings:
@@ -127,9 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {' '.join(f'{x:.3f}' for x in v)} | {len(paths)}, {len(widths)}, "
               f"{'/'.join(map(str, widths))} | {tokens:.2f} | {n / rounds:.2f} | {nodes / rounds:.1f} | "
               f"{n / wall:.0f} |", flush=True)
-        plan[name] = {"v": v, "paths": [list(p) for p in paths], "predicted": tokens, "measured": n / rounds}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(plan, indent=1))
+        plan[name] = {"v": v, "paths": [list(p) for p in paths], "predicted": tokens, "measured": n / rounds,
+                      "costs": measured}  # the tables this tree was sized by
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, lambda tmp: tmp.write_text(json.dumps(plan, indent=1)))
     print(f"wrote {args.out}")
 
 
