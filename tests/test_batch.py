@@ -310,22 +310,28 @@ def test_the_batch_bench_runs_every_method_once_per_batch_in_seeded_shuffled_ord
 
 
 def test_the_batch_bench_keys_what_it_saves_by_the_config_that_made_it(tiny_pair, tmp_path):
-    """A saved (setting, B) stands in for measuring again only under the same config: more batches a size give
-    another file, a field the dev pass does not read leaves its choice standing, and writing a piece removes the
-    stale ones of its stem (unkeyed files of older runs too) but no other stem's."""
-    from decode.evaluation.batch import TEST_ONLY, BatchBenchConfig, cached, store
+    """A saved piece stands in for measuring again only under what made it: more batches at one size give that size
+    another file and leave the others', a field the dev pass does not read leaves its choice standing, a "8" key is
+    B = 8, a half-written head folder is hashed as it is, and a run prunes the cache to its own pieces."""
+    from decode.evaluation.batch import BatchBenchConfig, cached, prune
 
-    cfg = BatchBenchConfig(pair="x.yaml", head="none", tree_head="")
-    more = BatchBenchConfig(pair="x.yaml", head="none", tree_head="", repeats={32: 6})
-    a = cached(tmp_path, "greedy_b32", tiny_pair, cfg)
-    assert a == cached(tmp_path, "greedy_b32", tiny_pair, cfg)
-    assert a != cached(tmp_path, "greedy_b32", tiny_pair, more) and a.name.startswith("greedy_b32-")
-    assert cached(tmp_path, "dev_greedy", tiny_pair, cfg, TEST_ONLY) == cached(tmp_path, "dev_greedy", tiny_pair, more, TEST_ONLY)
-    assert cached(tmp_path, "dev_greedy", tiny_pair, cfg, TEST_ONLY) != cached(
-        tmp_path, "dev_greedy", tiny_pair, BatchBenchConfig(pair="x.yaml", head="none", tree_head="", fixed_k=[1]), TEST_ONLY)
-    for name in ("greedy_b32.json", "greedy_b3.json", "t1_b32.json"):
+    def cfg(**kw):
+        return BatchBenchConfig(pair="x.yaml", head=str(tmp_path / "head"), tree_head="", **kw)
+
+    a = cached(tmp_path, tiny_pair, cfg(), 32)
+    assert a == cached(tmp_path, tiny_pair, cfg(), 32) and a.name.startswith("t1_b32-")
+    assert a != cached(tmp_path, tiny_pair, cfg(repeats={32: 6}), 32)
+    assert cached(tmp_path, tiny_pair, cfg(), 8) == cached(tmp_path, tiny_pair, cfg(repeats={32: 6}), 8)
+    assert cached(tmp_path, tiny_pair, cfg(repeats={"8": 4}), 8) == cached(tmp_path, tiny_pair, cfg(repeats={8: 4}), 8)
+    assert cfg(repeats={"8": 4}).repeats == {8: 4}
+    assert cached(tmp_path, tiny_pair, cfg()) == cached(tmp_path, tiny_pair, cfg(repeats={32: 6}, confidence=0.2))
+    assert cached(tmp_path, tiny_pair, cfg()) != cached(tmp_path, tiny_pair, cfg(fixed_k=[1]))
+    assert cached(tmp_path, tiny_pair, cfg(fixed_k=[1]), 8) != cached(tmp_path, tiny_pair, cfg(), 8)  # its dev table
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "model.safetensors").write_text("w")  # an export cut short: no config.json yet
+    retrained = cached(tmp_path, tiny_pair, cfg(), 32)
+    assert retrained != a and cached(tmp_path, tiny_pair, cfg()) == cached(tmp_path, tiny_pair, cfg(), None)
+    for name in ("greedy_b32.json", a.name, retrained.name, "dev_t1-0123456789abcdef.json"):
         (tmp_path / name).write_text("[]")
-    store(a, [1])
-    store(cached(tmp_path, "greedy_b32", tiny_pair, more), [2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["greedy_b3.json", "t1_b32.json", cached(tmp_path, "greedy_b32", tiny_pair, more).name])
+    prune(tmp_path, [retrained])
+    assert [p.name for p in tmp_path.glob("*.json")] == [retrained.name]

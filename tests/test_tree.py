@@ -249,7 +249,10 @@ def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tiny_pair, t
 
     got = planned("greedy", "t1")
     assert set(got) == {"pair", "greedy", "t1"} and all(len(got[s]["v"]) == 4 and got[s]["costs"] for s in ("greedy", "t1"))
-    again = planned("t1")  # planning one setting again keeps the other's tree
+    older = {"pair": got["pair"], "costs": got["greedy"]["costs"], "greedy": {k: v for k, v in got["greedy"].items()
+                                                                           if k != "costs"}}
+    plan.write_text(json.dumps(older))  # a plan written before each tree kept its tables
+    again = planned("t1")  # planning one setting again keeps the other's tree, with the tables it was sized by
     assert again["greedy"] == got["greedy"] and set(again) == {"pair", "greedy", "t1"}
     sibling_head(tmp_path, tiny_pair.with_sampling(temperature=1.0), name="tree")  # T = 1: no suffix
     tree_bench.main(["--pair", str(tiny_pair_yaml), "--plan", str(plan), "--settings", "t1", "--dev", "1", "--test", "2",

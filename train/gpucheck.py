@@ -196,7 +196,7 @@ def bench_config(cpu: bool, folder: Path) -> Path:
 def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     """The three steps at full size on a GPU, or tiny under --cpu."""
     py, limits = sys.executable, CPU_LIMITS if args.cpu else LIMITS
-    # A folder of its own under --cpu: the two versions' caches share keys (greedy_b1.json) but not numbers
+    # A folder of its own under --cpu: each run prunes the batch cache to its own config's pieces
     folder = out / "check" / ("bench-cpu" if args.cpu else "bench")
     folder.mkdir(parents=True, exist_ok=True)
     config = bench_config(args.cpu, folder)

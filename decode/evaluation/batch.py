@@ -84,6 +84,7 @@ class BatchBenchConfig:
     output: str = "docs/bench"
 
     def __post_init__(self):
+        self.repeats = {int(b): int(n) for b, n in self.repeats.items()}  # "8" (a quoted key) is B = 8 too
         check_ignore_eos(self.ignore_eos, [Sampling.of(raw).name for raw in self.settings])
 
 
@@ -190,33 +191,41 @@ def summarise(res: dict[str, list], prompts: str, setting: str, b: int, notes: d
 
 
 # the config's fields that the dev pass (the table, the single K) does not read: changing them keeps its choice
-TEST_ONLY = ("test", "repeats", "confidence", "head", "tree_head", "tree_sizes", "output")
+TEST_ONLY = ("test", "repeats", "confidence", "head", "tree_head", "tree_sizes")
 
 
-def cached(cache: Path, stem: str, pair: Pair, cfg: BatchBenchConfig, skip: tuple[str, ...] = ("output",)) -> Path:
-    """Where one piece of the run is saved, named by a key of everything that made it (the config's fields but skip,
-    the pair, the code and heads: code_fingerprint), so a run with other settings, code or heads does it again instead
-    of reading a stale result. Older pieces of the same stem are removed when the new one is written (store)."""
-    fields = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    heads = [h.format(suffix=pair.head_suffix()) for h in (cfg.head, cfg.tree_head) if h and "head" not in skip]
+def cached(cache: Path, pair: Pair, cfg: BatchBenchConfig, b: int | None = None) -> Path:
+    """Where one piece of the run is saved: the dev choice of the pair's setting (b None) or its test batches of b rows,
+    named by a key of everything that made it (the config's fields that piece reads, the pair, the code and heads:
+    code_fingerprint; a size's piece also its setting's dev choice, whose table it decodes), so a run with other
+    fields, code or heads measures it again instead of reading a stale result."""
+    setting = pair.config.sampling.name
+    fields = {k: v for k, v in asdict(cfg).items() if k not in ("output", "settings", "repeats")}
+    if b is None:
+        stem, heads, fields = f"dev_{setting}", [], {k: v for k, v in fields.items() if k not in TEST_ONLY}
+    else:
+        stem = f"{setting}_b{b}"
+        heads = [h.format(suffix=pair.head_suffix()) for h in (cfg.head, cfg.tree_head) if h]
+        fields |= {"repeats": cfg.repeats.get(b, 2), "dev": cached(cache, pair, cfg).name}
     key = hashlib.sha256(json.dumps([stem, fields, pair.config.hash(), code_fingerprint(heads)], sort_keys=True,
                                     default=str).encode()).hexdigest()[:16]
     return cache / f"{stem}-{key}.json"
 
 
-def store(path: Path, obj) -> None:
-    """obj saved at path (whole or not at all), and the stale pieces of its stem gone."""
-    stem = path.name.rsplit("-", 1)[0]
-    save_json(path, obj)
-    for old in path.parent.glob(f"{stem}*.json"):
-        if old != path and stem in (old.stem, old.name.rsplit("-", 1)[0]):  # unkeyed (older runs) or keyed
-            old.unlink()
+def prune(cache: Path, keep: list[Path]) -> None:
+    """The cache keeps this config's pieces alone: another config's (or code's) are stale, and a count of what the
+    cache holds (train.gpucheck) must not read them as done."""
+    stale = [f for f in cache.glob("*.json") if f not in keep]
+    for f in stale:
+        f.unlink()
+    if stale:
+        print(f"batch-bench: removed {len(stale)} saved pieces of another config, code or heads from {cache}", flush=True)
 
 
 def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache: Path, setting: str):
     """-> ({B: best K in 0..max, 0 being the target alone}, the single K best over all sizes), from one dev batch per
     size (four at B = 1), timed like the test batches."""
-    path = cached(cache, f"dev_{setting}", pair, cfg, TEST_ONLY)
+    path = cached(cache, pair, cfg)
     if path.exists():
         got = json.loads(path.read_text())
         return {int(b): k for b, k in got["table"].items()}, got["single"]
@@ -228,7 +237,7 @@ def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache
         speed[b] = {0: 1.0} | {k: float(np.mean(np.array([x[0] for x in res[f"SD K={k}"]]) / base)) for k in cfg.fixed_k}
     table = {b: max(s, key=s.get) for b, s in speed.items()}
     single = max(cfg.fixed_k, key=lambda k: float(np.mean([np.log(speed[b][k]) for b in speed])))
-    store(path, {"table": table, "single": single, "speedups": speed})
+    save_json(path, {"table": table, "single": single, "speedups": speed})
     return table, single
 
 
@@ -243,8 +252,9 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
     torch.set_num_threads(cfg.threads)
     base = load_pair(cfg.pair)
     t_start, rows = time.perf_counter(), []
-    for raw in cfg.settings:
-        pair = base.with_sampling(**raw)
+    pairs = [base.with_sampling(**raw) for raw in cfg.settings]
+    prune(cache, [cached(cache, p, cfg, b) for p in pairs for b in [None, *cfg.batch_sizes]])
+    for pair in pairs:
         setting = pair.config.sampling.name
 
         test, dev = (encode(pair, spec, cfg.prompt_tokens) for spec in (cfg.test, cfg.dev))
@@ -252,7 +262,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
         print(f"batch-bench {setting}: dev chose the table {table} and the single K = {single}", flush=True)
         methods = None  # built on first need: a finished run only rewrites its outputs
         for b in cfg.batch_sizes:
-            path = cached(cache, f"{setting}_b{b}", pair, cfg)
+            path = cached(cache, pair, cfg, b)
             if not path.exists():
                 if methods is None:  # the controller calibrates on the dev batches the table is chosen on
                     calibration = [g for size in cfg.batch_sizes for g in dev_batches(dev, size)]
@@ -262,7 +272,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
                 res = measure(pair, here, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
                          "batch-size table (dev)": f"K = {BatchSizeK(table).begin(b)} at this size"}
-                store(path, summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes))
+                save_json(path, summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes))
             rows += json.loads(path.read_text())
     write(rows, out_dir, quick)
     print(f"batch bench took {(time.perf_counter() - t_start) / 60:.1f} min; {out_dir}/batch.csv, batch.md, batch_speedup.png")

@@ -69,8 +69,8 @@ def code_fingerprint(head_dirs: list[str]) -> str:
     h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
     files = [f for f in sorted((ROOT / "decode").rglob("*.py")) if f.name not in PRESENTS_ROWS]
     files += sorted((ROOT / "heads").glob("*.py"))
-    for head in dict.fromkeys(d for d in head_dirs if (ROOT / d).is_dir()):
-        files += [ROOT / head / "config.json", ROOT / head / "model.safetensors"]  # ROOT / an absolute path is it
+    for head in dict.fromkeys(head_dirs):  # ROOT / an absolute path is it; a head not (wholly) there hashes as such
+        files += [f for f in (ROOT / head / "config.json", ROOT / head / "model.safetensors") if f.exists()]
     for f in files:
         h.update(f"{f.name}:{f.stat().st_size}:".encode())
         h.update(f.read_bytes())

@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     # a plan of the same pair keeps its other settings' trees: one setting can be planned at a time
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    plan = ({k: v for k, v in old.items() if k != "costs"} if old.get("pair") == base.config.name else {}) | \
-        {"pair": base.config.name}
+    kept = {k: v | ({"costs": old["costs"]} if "costs" in old and "costs" not in v else {})  # an older plan's tables
+            for k, v in old.items() if isinstance(v, dict) and k != "costs"} if old.get("pair") == base.config.name else {}
+    plan = kept | {"pair": base.config.name}
     measured = {"draft": costs.step["draft"], "verify": costs.switched["target"]}
     print("| setting | v (ranks 1-4) | tree: nodes, depth, level widths | tokens/round predicted | measured "
           "| nodes/round | tok/s |\n|---|---|---|---|---|---|---|")
