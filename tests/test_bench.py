@@ -335,22 +335,22 @@ def test_summary_table_takes_the_best_fixed_k_and_drops_families_the_run_lacks()
 
 
 def test_summary_joins_runs_of_other_sections_and_reads_the_named_heads(tmp_path, capsys):
-    """python -m decode summary over two runs' CSVs (one section each): one table with both, and the AUROC columns
-    read from the --head and --prev_head folders of each setting."""
+    """python -m decode summary over three runs' CSVs (one section each): one table with all, in an order that does not
+    depend on the process, and the AUROC columns read from the --head and --prev_head folders of each setting."""
     import json
 
     from decode.evaluation.summary import main
 
     fields = ["prompts", "method", "family", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi"]
     paths = []
-    for setting in ("greedy", "t1"):
-        path = tmp_path / setting / "bench.csv"
+    for prompts, setting in (("instruct", "greedy"), ("humaneval", "greedy"), ("instruct", "t1")):
+        path = tmp_path / f"{prompts}-{setting}" / "bench.csv"
         path.parent.mkdir()
         with path.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=fields)
             w.writeheader()
-            w.writerow(dict(zip(fields, [f"instruct/test {setting}", "target", "target", "target", "20", "1", "1", "1"])))
-            w.writerow(dict(zip(fields, [f"instruct/test {setting}", "SD K=3", "fixed-K", "spec", "30", "1.5", "1.4", "1.6"])))
+            w.writerow(dict(zip(fields, [f"{prompts}/test {setting}", "target", "target", "target", "20", "1", "1", "1"])))
+            w.writerow(dict(zip(fields, [f"{prompts}/test {setting}", "SD K=3", "fixed-K", "spec", "30", "1.5", "1.4", "1.6"])))
         paths.append(str(path))
     for name, auroc in (("h-greedy", 0.81), ("h", 0.71), ("p-greedy", 0.91), ("p", 0.61)):
         (tmp_path / name).mkdir()
@@ -359,7 +359,9 @@ def test_summary_joins_runs_of_other_sections_and_reads_the_named_heads(tmp_path
             {"sampling": sampling, "metrics": {"auroc": auroc, "draft_confidence_auroc": 0.5}}))
     main(paths + ["--head", str(tmp_path / "h"), "--prev_head", str(tmp_path / "p")])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and "| instruct | greedy |" in lines[2] and "| instruct | T = 1 |" in lines[3]
+    # one prompt set's rows together, the sets in the order the CSVs name them, each set's settings greedy first
+    assert len(lines) == 5 and "| instruct | greedy |" in lines[2] and "| instruct | T = 1 |" in lines[3]
+    assert "| humaneval | greedy |" in lines[4]
     assert lines[2].endswith("| 0.810 / 0.500 | 0.910 / 0.500 |") and lines[3].endswith("| 0.710 / 0.500 | 0.610 / 0.500 |")
 
 

@@ -58,9 +58,10 @@ def head_auroc(setting: str, head: str = HEAD) -> str:
 def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> str:
     """bench.csv rows -> the markdown table (test splits only); head and prev_head: the folders (setting suffix
     left off) whose dev AUROC the last two columns read."""
+    sets = list(dict.fromkeys(r["prompts"].split("/")[0] for r in rows))  # in the order the CSVs name them
     splits = sorted({r["prompts"] for r in rows if "/test " in r["prompts"]},
-                    key=lambda s: (s.split("/")[0] != "pycode", list(SETTINGS).index(s.split()[-1])
-                                   if s.split()[-1] in SETTINGS else 9))
+                    key=lambda s: (s.split("/")[0] != "pycode", sets.index(s.split("/")[0]),
+                                   list(SETTINGS).index(s.split()[-1]) if s.split()[-1] in SETTINGS else 9, s))
     columns = [(c, f) for c, f in COLUMNS if any(member(r, f) for r in rows)]  # none decoded: no column
     header = ["prompts", "setting", "target alone tok/s"] + [c for c, _ in columns] + \
         ["SpecDec++ head AUROC / draft confidence", "prev head AUROC / draft confidence"]
