@@ -42,13 +42,14 @@ from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling, load_pair
 
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
-__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "code_fingerprint", "dev_choices", "encode_prompts",
-           "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config", "replayable", "rows_of",
-           "run", "run_split", "save_json", "split_files", "stops_at_eos", "work_key", "write_outputs"]
+__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "code_fingerprint", "dev_choices",
+           "encode_prompts", "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config",
+           "replayable", "rows_of", "run", "run_split", "save_json", "split_files", "stops_at_eos", "work_key",
+           "write_outputs"]
 
 # decode modules that read, compare or present a split's saved rows and never make them: a change to them
 # re-renders the tables from the saved splits instead of decoding all twelve again (an hour on this machine)
-PRESENTS_ROWS = ("__init__.py", "__main__.py", "compare.py", "goals.py", "report.py")
+PRESENTS_ROWS = ("__init__.py", "__main__.py", "compare.py", "goals.py", "report.py", "summary.py")
 
 
 def fingerprint(methods: list[Method]) -> str:

@@ -3,6 +3,7 @@
     python -m decode summary docs/bench/bench.csv                 # print it
     python -m decode summary docs/bench/bench.csv --readme true   # and write it into README.md
     python -m decode summary docs/bench/smollm2/bench.csv docs/bench/smollm2/humaneval/bench.csv \
+        docs/bench/smollm2/humaneval-sampled/bench.csv \
         --head checkpoints/smollm2/specdecpp --prev_head checkpoints/smollm2/specdecpp-prev --readme true
 
 One row per prompt set and sampling setting (test split): the target alone's tokens/s, then the speedup over
