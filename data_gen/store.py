@@ -66,12 +66,20 @@ def code_version() -> str:
         return "unknown"
 
 
+def same(recorded, now) -> bool:
+    """One identity field of a label folder against this run's; a model's weights digest is compared where the folder
+    recorded one (folders labelled before it did not)."""
+    if isinstance(recorded, dict) and isinstance(now, dict) and "weights" not in recorded:
+        now = {k: v for k, v in now.items() if k != "weights"}
+    return recorded == now
+
+
 def claim_output(output: Path, meta: dict) -> None:
     """Write metadata.json, or check that an existing one describes the same labelling."""
     path = output / "metadata.json"
     if path.exists():
         old = json.loads(path.read_text())
-        diff = [k for k in IDENTITY_KEYS if old.get(k) != meta.get(k)]
+        diff = [k for k in IDENTITY_KEYS if not same(old.get(k), meta.get(k))]
         if diff:
             details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run has {meta.get(k)!r}" for k in diff)
             raise LabelSetMismatch(

@@ -209,13 +209,30 @@ class Pair:
 
 
 def model_identity(model, vocab: int, path: str) -> dict:
-    """Path, config hash and sizes of a loaded model: what a head checkpoint records of its draft."""
+    """Path, config hash, weights digest and sizes of a loaded model: what a head checkpoint records of its draft."""
     cfg = model.config.to_dict()
     for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         cfg.pop(k, None)
     digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return {"path": path, "config_hash": digest, "hidden_size": model.config.hidden_size, "vocab_size": vocab,
-            "num_layers": model.config.num_hidden_layers}
+    return {"path": path, "config_hash": digest, "weights": weights_digest(model),
+            "hidden_size": model.config.hidden_size, "vocab_size": vocab, "num_layers": model.config.num_hidden_layers}
+
+
+@torch.no_grad()
+def weights_digest(model, per_tensor: int = 16) -> str:
+    """12 hex digits of a few values of every parameter (evenly spaced, rounded to bfloat16): a draft distilled on,
+    with the same config, reads another digest, so the heads and labels of the old one are refused; the same weights
+    loaded in float32 or bfloat16, on any device, read the same. Reads kilobytes, not the model."""
+    h = hashlib.sha256()
+    for name, w in sorted(model.named_parameters()):
+        if w.is_meta:  # offloaded by device_map: nothing here to read
+            continue
+        flat = w.reshape(-1)
+        n = min(per_tensor, flat.numel())
+        idx = (torch.arange(n, device=flat.device) * (flat.numel() - 1)) // max(n - 1, 1)  # in integers: exact
+        h.update(f"{name}{tuple(w.shape)}".encode())
+        h.update(flat[idx].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def input_device(model) -> torch.device:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from heads.modules import HEAD_TYPES, Head
 
 # Fields of the draft identity that must match for a head's features to mean anything.
-DRAFT_KEYS = ("config_hash", "hidden_size", "vocab_size", "num_layers")
+DRAFT_KEYS = ("config_hash", "weights", "hidden_size", "vocab_size", "num_layers")
 
 
 class HeadMismatch(ValueError):
@@ -48,8 +48,9 @@ def from_pretrained(directory: str | Path) -> tuple[Head, dict]:
 def check_draft(config: dict, draft_identity: dict, where: str = "head") -> None:
     """Raise HeadMismatch naming every field where the head's recorded draft differs from this one."""
     recorded = config.get("draft", {})
+    # "weights" (the draft's weights digest) is compared where the head recorded one: heads exported before it did not
     diff = [f"{k}: {where} was trained for {recorded.get(k)!r}, this draft has {draft_identity.get(k)!r}"
-            for k in DRAFT_KEYS if recorded.get(k) != draft_identity.get(k)]
+            for k in DRAFT_KEYS if recorded.get(k) != draft_identity.get(k) and (k != "weights" or k in recorded)]
     if diff:
         raise HeadMismatch(f"{where} was trained on draft {recorded.get('path')!r}, not on "
                            f"{draft_identity.get('path')!r}: " + "; ".join(diff) + ". Retrain it for this draft.")

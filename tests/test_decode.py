@@ -220,6 +220,13 @@ def test_bad_input_errors(tiny_pair, tmp_path):
     (Path(other) / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HeadMismatch, match="config_hash"):
         SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+    cfg["draft"] = tiny_pair.identity("draft") | {"weights": "0123456789ab"}  # the same draft distilled on
+    (Path(other) / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HeadMismatch, match="weights: .*Retrain it for this draft"):
+        SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+    del cfg["draft"]["weights"]  # a head exported before heads recorded the weights: loads as before
+    (Path(other) / "config.json").write_text(json.dumps(cfg))
+    SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
 
 
 def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml, capsys):

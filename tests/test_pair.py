@@ -52,6 +52,21 @@ def test_bad_sampling_is_refused(tmp_path):
         load_pair(write_tiny_pair(tmp_path, top_p=0.0))
 
 
+def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):
+    """A draft trained on (same config, other weights) reads another digest; the same weights in bfloat16 read the same
+    one, so a head trained on labels made in one precision serves the other."""
+    import copy
+
+    from decode.pair import weights_digest
+
+    draft = copy.deepcopy(tiny_pair.draft)
+    assert weights_digest(draft) == tiny_pair.identity("draft")["weights"]
+    assert weights_digest(copy.deepcopy(draft).to(torch.bfloat16)) == weights_digest(draft)
+    with torch.no_grad():
+        next(draft.parameters()).mul_(1.5)
+    assert weights_digest(draft) != tiny_pair.identity("draft")["weights"]
+
+
 @pytest.mark.slow
 def test_committed_pycode_pair_metadata():
     pair = load_pair(ROOT / "configs/pairs/pycode.yaml")

@@ -86,6 +86,19 @@ def test_a_siblings_setting_change_is_refused_like_any_other(tmp_path):
         Labeller(siblings=-1)
 
 
+def test_a_label_folder_refuses_a_draft_trained_on_and_keeps_its_older_sets(tmp_path):
+    """The draft's weights digest is part of a label set's identity: a draft distilled on is refused; a folder
+    labelled before the digest was recorded resumes."""
+    from data_gen.store import LabelSetMismatch, claim_output
+
+    draft = {"path": "d", "config_hash": "c", "num_layers": 2}
+    claim_output(tmp_path / "old", {"pair_hash": "h", "draft": draft})
+    claim_output(tmp_path / "old", {"pair_hash": "h", "draft": draft | {"weights": "aaa"}})
+    claim_output(tmp_path / "new", {"pair_hash": "h", "draft": draft | {"weights": "aaa"}})
+    with pytest.raises(LabelSetMismatch, match="draft: folder has"):
+        claim_output(tmp_path / "new", {"pair_hash": "h", "draft": draft | {"weights": "bbb"}})
+
+
 def sibling_records():
     """Two positions of hand-made sibling labels: rank 1 is the argmax at the first, none is at the second, whose
     law had three tokens (rank 3 padded)."""
