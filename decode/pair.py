@@ -203,6 +203,11 @@ class Pair:
         """
         return model_logits[..., : self.vocab].to(self.device, torch.float32)
 
+    def key(self) -> str:
+        """The config's hash and both models' weights digests: what a saved result of this pair (a bench split, a
+        recording) is keyed by, so a draft distilled on since does not read it back."""
+        return f"{self.config.hash()}-{weights_digest(self.draft)}-{weights_digest(self.target)}"
+
     def identity(self, which: str = "draft") -> dict:
         """What identifies a model: path, config hash, sizes (recorded in head checkpoints)."""
         return model_identity(getattr(self, which), self.vocab, getattr(self.config, which).path)

@@ -56,6 +56,7 @@ def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):
     """A draft trained on (same config, other weights) reads another digest; the same weights in bfloat16 read the same
     one, so a head trained on labels made in one precision serves the other."""
     import copy
+    import dataclasses
 
     from decode.pair import weights_digest
 
@@ -65,6 +66,8 @@ def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):
     with torch.no_grad():
         next(draft.parameters()).mul_(1.5)
     assert weights_digest(draft) != tiny_pair.identity("draft")["weights"]
+    # what saved bench splits and recordings are keyed by: the same config with other draft weights is another key
+    assert dataclasses.replace(tiny_pair, draft=draft).key() != tiny_pair.key() == tiny_pair.key()
 
 
 @pytest.mark.slow

@@ -207,7 +207,7 @@ def cached(cache: Path, pair: Pair, cfg: BatchBenchConfig, b: int | None = None)
         stem = f"{setting}_b{b}"
         heads = [h.format(suffix=pair.head_suffix()) for h in (cfg.head, cfg.tree_head) if h]
         fields |= {"repeats": cfg.repeats.get(b, 2), "dev": cached(cache, pair, cfg).name}
-    key = hashlib.sha256(json.dumps([stem, fields, pair.config.hash(), code_fingerprint(heads)], sort_keys=True,
+    key = hashlib.sha256(json.dumps([stem, fields, pair.key(), code_fingerprint(heads)], sort_keys=True,
                                     default=str).encode()).hexdigest()[:16]
     return cache / f"{stem}-{key}.json"
 

@@ -82,7 +82,7 @@ def work_key(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict) 
     """16 hex digits naming one split's work: the same key means the same prompts, methods, budget, seeds, pair and
     code, so its saved result can stand in for doing it again."""
     return hashlib.sha256(json.dumps([label, prompts, [asdict(m) for m in methods], cfg["max_new_tokens"],
-                                      stops_at_eos(pair, cfg["ignore_eos"]), cfg["seed"], cfg["repeats"], pair.config.hash(),
+                                      stops_at_eos(pair, cfg["ignore_eos"]), cfg["seed"], cfg["repeats"], pair.key(),
                                       fingerprint(methods)]).encode()).hexdigest()[:16]
 
 

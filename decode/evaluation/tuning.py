@@ -69,7 +69,7 @@ def recorded(pair: Pair, max_new: int, ps: dict, split: str, kmax: int, folder: 
 
     prompts = encode_prompts(pair, ps[split], max_new)
     # "plain": the file format (save_trajectories); caches of the pickled format before it get another key
-    key = hashlib.sha256(json.dumps([pair.config.hash(), prompts, max_new, kmax, "plain"]
+    key = hashlib.sha256(json.dumps([pair.key(), prompts, max_new, kmax, "plain"]
                                     + ([] if stop_at_eos else ["through EOS"])).encode())
     path = folder / f"{ps['name']}-{split}-{pair.config.sampling.name}-{key.hexdigest()[:12]}.pt"
     if path.exists():
