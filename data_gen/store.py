@@ -67,10 +67,10 @@ def code_version() -> str:
 
 
 def same(recorded, now) -> bool:
-    """One identity field of a label folder against this run's; a model's weights digest is compared where the folder
-    recorded one (folders labelled before it did not)."""
-    if isinstance(recorded, dict) and isinstance(now, dict) and "weights" not in recorded:
-        now = {k: v for k, v in now.items() if k != "weights"}
+    """One identity field of a label folder against this run's; a model's weights digest is compared where both have
+    one (folders labelled before it was recorded have none; offloaded weights read "")."""
+    if isinstance(recorded, dict) and isinstance(now, dict) and not (recorded.get("weights") and now.get("weights")):
+        recorded, now = ({k: v for k, v in d.items() if k != "weights"} for d in (recorded, now))
     return recorded == now
 
 

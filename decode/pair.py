@@ -227,11 +227,13 @@ def model_identity(model, vocab: int, path: str) -> dict:
 def weights_digest(model, per_tensor: int = 16) -> str:
     """12 hex digits of a few values of every parameter (evenly spaced, rounded to bfloat16): a draft distilled on,
     with the same config, reads another digest, so the heads and labels of the old one are refused; the same weights
-    loaded in float32 or bfloat16, on any device, read the same. Reads kilobytes, not the model."""
+    loaded in float32 or bfloat16, on any device, read the same (float16 rounds twice and may not). Reads kilobytes,
+    not the model. "" where some weights are not in memory (offloaded by device_map): nothing to compare."""
     h = hashlib.sha256()
-    for name, w in sorted(model.named_parameters()):
-        if w.is_meta:  # offloaded by device_map: nothing here to read
-            continue
+    params = sorted((name.replace("_orig_mod.", "").removeprefix("module."), w) for name, w in model.named_parameters())
+    if any(w.is_meta for _, w in params):
+        return ""
+    for name, w in params:  # names as the bare model has them: torch.compile and DDP wrap it
         flat = w.reshape(-1)
         n = min(per_tensor, flat.numel())
         idx = (torch.arange(n, device=flat.device) * (flat.numel() - 1)) // max(n - 1, 1)  # in integers: exact

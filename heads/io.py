@@ -50,7 +50,10 @@ def check_draft(config: dict, draft_identity: dict, where: str = "head") -> None
     recorded = config.get("draft", {})
     # "weights" (the draft's weights digest) is compared where the head recorded one: heads exported before it did not
     diff = [f"{k}: {where} was trained for {recorded.get(k)!r}, this draft has {draft_identity.get(k)!r}"
-            for k in DRAFT_KEYS if recorded.get(k) != draft_identity.get(k) and (k != "weights" or k in recorded)]
+            for k in DRAFT_KEYS if recorded.get(k) != draft_identity.get(k)
+            and (k != "weights" or (recorded.get(k) and draft_identity.get(k)))]  # "": weights offloaded, unread
     if diff:
-        raise HeadMismatch(f"{where} was trained on draft {recorded.get('path')!r}, not on "
-                           f"{draft_identity.get('path')!r}: " + "; ".join(diff) + ". Retrain it for this draft.")
+        same = recorded.get("path") == draft_identity.get("path")
+        raise HeadMismatch(f"{where} was trained on " + (f"another version of draft {recorded.get('path')!r}" if same else
+                           f"draft {recorded.get('path')!r}, not on {draft_identity.get('path')!r}") + ": " +
+                           "; ".join(diff) + ". Retrain it for this draft.")

@@ -68,6 +68,14 @@ def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):
     assert weights_digest(draft) != tiny_pair.identity("draft")["weights"]
     # what saved bench splits and recordings are keyed by: the same config with other draft weights is another key
     assert dataclasses.replace(tiny_pair, draft=draft).key() != tiny_pair.key() == tiny_pair.key()
+    # weights offloaded by device_map are not in memory: no digest, and a head's recorded one is not compared
+    from heads import HeadMismatch, check_draft
+
+    assert weights_digest(torch.nn.Linear(2, 2, device="meta")) == ""
+    ident = tiny_pair.identity("draft")
+    check_draft({"draft": ident}, ident | {"weights": ""})
+    with pytest.raises(HeadMismatch, match="another version of draft .*weights"):
+        check_draft({"draft": ident}, ident | {"weights": "0123456789ab"})
 
 
 @pytest.mark.slow
