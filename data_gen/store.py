@@ -20,6 +20,8 @@ import datasets
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.io import differing
+
 datasets.disable_progress_bars()
 
 # Keys whose values must match for new records to join an existing label set.
@@ -67,10 +69,9 @@ def code_version() -> str:
 
 
 def same(recorded, now) -> bool:
-    """One identity field of a label folder against this run's; a model's weights digest is compared where both have
-    one (folders labelled before it was recorded have none; offloaded weights read "")."""
-    if isinstance(recorded, dict) and isinstance(now, dict) and not (recorded.get("weights") and now.get("weights")):
-        recorded, now = ({k: v for k, v in d.items() if k != "weights"} for d in (recorded, now))
+    """One identity field of a label folder against this run's; a model's (draft, target) as heads compare theirs."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        return not differing(recorded, now, recorded.keys() | now.keys())
     return recorded == now
 
 

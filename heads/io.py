@@ -45,13 +45,18 @@ def from_pretrained(directory: str | Path) -> tuple[Head, dict]:
     return head.eval().requires_grad_(False), config
 
 
+def differing(recorded: dict, now: dict, keys) -> list[str]:
+    """The keys where a recorded model identity (decode.pair.model_identity) and this one differ. The weights digest
+    counts only where both have one: heads and label folders made before it was recorded have none, and weights
+    offloaded by device_map read ""."""
+    return [k for k in keys if recorded.get(k) != now.get(k) and (k != "weights" or (recorded.get(k) and now.get(k)))]
+
+
 def check_draft(config: dict, draft_identity: dict, where: str = "head") -> None:
     """Raise HeadMismatch naming every field where the head's recorded draft differs from this one."""
     recorded = config.get("draft", {})
-    # "weights" (the draft's weights digest) is compared where the head recorded one: heads exported before it did not
     diff = [f"{k}: {where} was trained for {recorded.get(k)!r}, this draft has {draft_identity.get(k)!r}"
-            for k in DRAFT_KEYS if recorded.get(k) != draft_identity.get(k)
-            and (k != "weights" or (recorded.get(k) and draft_identity.get(k)))]  # "": weights offloaded, unread
+            for k in differing(recorded, draft_identity, DRAFT_KEYS)]
     if diff:
         same = recorded.get("path") == draft_identity.get("path")
         raise HeadMismatch(f"{where} was trained on " + (f"another version of draft {recorded.get('path')!r}" if same else

@@ -33,8 +33,16 @@ from pathlib import Path
 import torch
 
 from decode.costs.model import CostModel
-from decode.evaluation.bench_config import (ROOT, Method, UnknownPromptSet, build, encode_prompts, expand, load_config,
-                                          stops_at_eos)
+from decode.evaluation.bench_config import (
+    ROOT,
+    Method,
+    UnknownPromptSet,
+    build,
+    encode_prompts,
+    expand,
+    load_config,
+    stops_at_eos,
+)
 from decode.evaluation.goals import goal_lines
 from decode.evaluation.measuring import choose, choose_by_replay, generator_for, interleaved, replayable, rows_of
 from decode.evaluation.report import from_root, pareto_plot, quality_plot, slug, table, write_atomic, write_readme
@@ -44,8 +52,7 @@ from decode.pair import Pair, Sampling, load_pair
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
 __all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "code_fingerprint", "dev_choices",
            "encode_prompts", "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config",
-           "replayable", "rows_of", "run", "run_split", "save_json", "split_files", "stops_at_eos", "work_key",
-           "write_outputs"]
+           "replayable", "rows_of", "run", "run_split", "save_json", "split_files", "work_key", "write_outputs"]
 
 # decode modules that read, compare or present a split's saved rows and never make them: a change to them
 # re-renders the tables from the saved splits instead of decoding all twelve again (an hour on this machine)

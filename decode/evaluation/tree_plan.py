@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     # a plan of the same pair keeps its other settings' trees: one setting can be planned at a time
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    kept = {k: v | ({"costs": old["costs"]} if "costs" in old and "costs" not in v else {})  # an older plan's tables
-            for k, v in old.items() if isinstance(v, dict) and k != "costs"} if old.get("pair") == base.config.name else {}
-    plan = kept | {"pair": base.config.name}
+    plan = {"pair": base.config.name}
+    if old.get("pair") == base.config.name:
+        older = {"costs": old["costs"]} if "costs" in old else {}  # a plan written before each tree kept its tables
+        plan |= {name: older | tree for name, tree in old.items() if isinstance(tree, dict) and name != "costs"}
     measured = {"draft": costs.step["draft"], "verify": costs.switched["target"]}
     print("| setting | v (ranks 1-4) | tree: nodes, depth, level widths | tokens/round predicted | measured "
           "| nodes/round | tok/s |\n|---|---|---|---|---|---|---|")
