@@ -262,10 +262,15 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 def load_tokenizers(cfg: PairConfig):
+    """(draft's, target's) tokenizers. A draft that shares the target's embeddings reads the target's vocabulary, so
+    when its folder holds no tokenizer it takes the target's (python -m train.distill exports none)."""
     from transformers import AutoTokenizer
 
-    d = AutoTokenizer.from_pretrained(cfg.draft.resolved(), revision=cfg.draft.revision)
     t = AutoTokenizer.from_pretrained(cfg.target.resolved(), revision=cfg.target.revision)
+    folder = Path(cfg.draft.resolved())
+    if cfg.draft.embeddings == "target" and not (folder / "tokenizer_config.json").is_file():
+        return t, t
+    d = AutoTokenizer.from_pretrained(str(folder), revision=cfg.draft.revision)
     return d, t
 
 

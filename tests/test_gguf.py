@@ -225,6 +225,40 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     assert distill.Recipe.from_yaml(recipe).lr == 0.01
 
 
+def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path, cache, capsys):
+    from train import distill
+
+    target = write_gguf(tmp_path / "target.gguf", layers=3, seed=0)
+    small = distill_recipe(tmp_path, target)
+    distill.main(["--config", str(small), "--cycles", "2"])
+    before = json.loads((tmp_path / "draft" / "training.json").read_text())
+    grown = tmp_path / "grown.yaml"
+    raw = yaml.safe_load(small.read_text())
+    grown.write_text(yaml.safe_dump({**raw, "out": str(tmp_path / "grown"), "layers": [0, 1],
+                                     "grow": str(tmp_path / "draft"), "answers": str(tmp_path / "draft")}))
+    distill.main(["--config", str(grown), "--cycles", "1"])
+    log = capsys.readouterr().out
+    assert "grown from" in log and "the target's layers [1] adding nothing yet" in log
+    assert "cycle 1: 4 answers" in log  # its own answers, not the smaller run's cycle-0 ones read as its own
+    info = json.loads((tmp_path / "grown" / "training.json").read_text())
+    first, last = info["curve"][0], before["curve"][-1]
+    # measured as the smaller run measured its last cycle, but on its bfloat16 export
+    assert first["cycle"] == 0 and abs(first["alpha"] - last["alpha"]) < 0.01 and abs(first["top1"] - last["top1"]) < 0.1
+    assert info["answers"] == 12 and not (tmp_path / "grown" / "answers-train.jsonl.gz").exists()
+    assert not (tmp_path / "grown" / "tokenizer.json").exists()  # it reads the target's
+    pair = load_pair(pair_yaml(tmp_path, str(target), str(tmp_path / "grown"), embeddings="target"))
+    assert len(pair.draft.model.layers) == 2 and pair.tokenizer.vocab_size == 261
+    distill.main(["--config", str(small), "--cycles", "1"])  # the smaller run resumes beside the grown one's rows
+    assert "cycle 3: 4 answers" in capsys.readouterr().out
+    for change, says in (({"grow": str(tmp_path / "nowhere")}, "holds no exported draft"),
+                         ({"grow": str(tmp_path / "grown"), "layers": [0]}, "grows from fewer layers")):
+        grown.write_text(yaml.safe_dump({**raw, "out": str(tmp_path / "other"), **change}))
+        with pytest.raises(SystemExit):
+            distill.main(["--config", str(grown), "--cycles", "1"])
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and says in err, err
+
+
 def test_distillation_learning_rate_warms_up_whenever_the_optimiser_is_fresh_and_decays_to_a_tenth():
     from train.distill import Recipe, lr_at
 

@@ -35,7 +35,7 @@ import yaml
 from decode.evaluation.report import write_atomic
 from decode.pair import ROOT, ModelSpec, load_model
 from decode.prompting import encode
-from train.draft import Store, answer, export, kl_step, make_draft, measure, teacher_pair, trained_state
+from train.draft import Store, answer, export, grow, kl_step, make_draft, measure, teacher_pair, trained_state
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Recipe:
     target: dict
     out: str
     layers: list[int] = field(default_factory=lambda: [0, 1])
+    grow: str = ""  # an exported draft a new one starts from (its layers first, the further ones adding nothing yet)
+    answers: str = ""  # the folder whose stored answers the run reads and adds to (default: out); a target's drafts share them
     prompts: str = "instruct"  # a data_gen.prompts set; its train split is answered, its dev split measured
     settings: list[dict] = field(default_factory=lambda: [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95},
                                                           {"temperature": 1.0}])
@@ -172,10 +174,12 @@ class Run:
         self._resume()
         self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
         random.Random(recipe.seed).shuffle(self.train_prompts)
-        self.answers = Store(self.out / "answers-train.jsonl.gz")
+        kept = ROOT / (recipe.answers or recipe.out)
+        self.answers = Store(kept / "answers-train.jsonl.gz")
         for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
             x.setdefault("cycle", i // recipe.answers_per_cycle)
-        self.dev = Store(self.out / "answers-dev.jsonl.gz")
+            x.setdefault("by", str(Path(recipe.answers or recipe.out)))  # ... or the run (out) that stored them
+        self.dev = Store(kept / "answers-dev.jsonl.gz")
         if len(self.dev.rows) < recipe.dev_prompts:
             dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
             log(f"the target answers {len(dev)} dev instructions (greedy), once, for the learning curve")
@@ -210,6 +214,10 @@ class Run:
             self.fresh_at = self.step
             log(f"resumed from the exported draft {exported} (fresh optimiser): cycle {self.cycle}, "
                 f"{self.tokens:,} tokens seen")
+        elif self.recipe.grow:
+            n = grow(self.draft, self.target, ROOT / self.recipe.grow)
+            log(f"a new draft grown from {self.recipe.grow}: its {n} layers, then the target's layers "
+                f"{self.recipe.layers[n:]} adding nothing yet")
         else:
             log(f"a new draft of the target's layers {self.recipe.layers}")
 
@@ -227,7 +235,7 @@ class Run:
         self.curve.append({"cycle": self.cycle, "tokens": self.tokens, **got})
         log(f"cycle {self.cycle}: {self.tokens:,} tokens seen, held-out top-1 {got['top1']:.3f}, "
             f"alpha(T=1) {got['alpha']:.3f} over {got['positions']} positions")
-        export(self.draft, self.tokenizer, self.out, self.info())
+        export(self.draft, self.out, self.info())
         plot(self.curve, self.out / "curve.png")
 
     def run_cycle(self) -> None:
@@ -237,19 +245,21 @@ class Run:
         setting = r.settings[self.cycle % len(r.settings)]
         name = setting_name(setting)
         # a cycle killed after its answers were stored trains on them again rather than drawing them twice
-        rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle]
+        mine = str(Path(r.out))
+        rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle and x.get("by") == mine]
         how = f"{len(rows)} stored answers reused"
         if not rows:
             seed = r.seed + self.cycle * max(1000, r.answers_per_cycle)  # no two cycles' rows share a stream
             for i in range(0, len(chunk), r.rows):
                 rows += self.answered(chunk[i: i + r.rows], setting, seed + i)
             for x in rows:
-                x["cycle"] = self.cycle
+                x["cycle"], x["by"] = self.cycle, mine
             self.answers.add(rows)
             made = sum(len(x["answer"]) for x in rows)
             how = f"{len(rows)} answers ({name}, {made} tokens, {made / (time.time() - t0):.0f} tok/s)"
         t1 = time.time()
-        rng, old = random.Random(r.seed + self.cycle), [x for x in self.answers.rows if x.get("cycle") != self.cycle]
+        rng = random.Random(r.seed + self.cycle)
+        old = [x for x in self.answers.rows if x.get("cycle") != self.cycle or x.get("by") != mine]
         loss_sum = 0.0
         self.draft.train()
         for _ in range(r.steps_per_cycle):

@@ -37,6 +37,47 @@ def make_draft(target, layers: list[int]):
     return draft
 
 
+def grow(draft, target, folder: Path) -> int:
+    """Start `draft` from a smaller exported draft of the same target: its layers first, its final norm. The further
+    layers (copied from the target by make_draft) start adding nothing: the last weight of each of their sublayers
+    (attention's output projection, the MLP's down projection) is zeroed, so the grown draft computes what the smaller
+    one did, checked on a probe; training then only adds. For pre-norm residual layers (every decoder transformers
+    builds today): a layer whose output is not a residual sum fails the check with a one-line error."""
+    from safetensors.torch import load_file
+
+    old = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
+    have = len(draft.model.layers)
+    if old is None or not (folder / "model.safetensors").is_file():
+        raise ValueError(f"recipe field grow names {folder}, which holds no exported draft (config.json and "
+                         f"model.safetensors, as python -m train.distill writes them)")
+    n = old.get("num_hidden_layers", 0)
+    if not 0 < n < have or old.get("hidden_size") != draft.config.hidden_size:
+        raise ValueError(f"recipe field grow: {folder} has {n} layers of width {old.get('hidden_size')}; a draft of "
+                         f"{have} layers of width {draft.config.hidden_size} grows from fewer layers of its width")
+    weights = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
+    mine = draft.state_dict()
+    bad = [k for k, v in weights.items() if k not in mine or mine[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"recipe field grow: {folder} does not fit this draft (e.g. {bad[0]}); grow from a draft of "
+                         f"the same target")
+    small = make_draft(target, list(range(n)))
+    small.load_state_dict(weights, strict=False)
+    draft.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        for layer in draft.model.layers[n:]:
+            for part in layer.children():
+                last = [w for name, w in part.named_parameters() if name.endswith("weight") and w.dim() == 2][-1:]
+                for w in last:
+                    w.zero_()
+        probe = torch.arange(1, 17, device=target.device).remainder(draft.config.vocab_size)[None]
+        mask = torch.ones_like(probe)
+        same = torch.equal(draft_logits(small, probe, mask), draft_logits(draft, probe, mask))
+    if not same:
+        raise ValueError(f"recipe field grow: zeroing the output projections of {type(layer).__name__} does not "
+                         f"leave the draft unchanged; grow a draft of pre-norm residual layers, or start it anew")
+    return n
+
+
 def share_embeddings(draft, target) -> None:
     """The draft reads and writes through the target's (frozen) embedding matrix."""
     draft.model.embed_tokens.weight = target.model.embed_tokens.weight
@@ -50,13 +91,13 @@ def trained_state(draft) -> dict[str, torch.Tensor]:
     return {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k}
 
 
-def export(draft, tokenizer, out: Path, info: dict) -> None:
-    """The draft as a folder decode.pair loads with embeddings "target": config, bfloat16 layers, tokenizer."""
+def export(draft, out: Path, info: dict) -> None:
+    """The draft as a folder decode.pair loads with embeddings "target": config and bfloat16 layers. No tokenizer: a
+    draft sharing the target's embeddings reads the target's (decode.pair.load_tokenizers), which its file holds."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in trained_state(draft).items()}
     write_atomic(out / "model.safetensors", lambda p: save_file(state, str(p), metadata={"format": "pt"}))
     write_atomic(out / "training.json", lambda p: p.write_text(json.dumps(info, indent=2) + "\n"))
@@ -119,21 +160,33 @@ def batch_of(rows: list[dict], device: torch.device | str = "cpu") -> tuple[torc
     return ids.to(device), mask.to(device), scored.to(device)
 
 
-def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (B, T, V) the draft's logits, its float32 layers run in bfloat16 beside the shared bfloat16
-    embeddings (autocast; the exported draft is bfloat16)."""
+def draft_logits(draft, ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) ids -> (B, T', V) the draft's logits at the `keep` positions (all when None), its float32 layers run in
+    bfloat16 beside the shared bfloat16 embeddings (autocast; the exported draft is bfloat16)."""
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-        return draft(input_ids=ids, attention_mask=mask).logits
+        return draft(input_ids=ids, attention_mask=mask, **kept(keep)).logits
+
+
+def kept(keep: torch.Tensor | None) -> dict:
+    """Only the scored columns' logits: the output layer and softmax over 49k tokens are most of a small draft's cost."""
+    return {} if keep is None else {"logits_to_keep": keep}
+
+
+def pair_logits(draft, target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored answers -> the target's (no grad) and the draft's (N, V) float32 logits at their N answer positions."""
+    ids, mask, scored = batch_of(rows, target.device)
+    keep = scored.any(0).nonzero().squeeze(1)  # columns where some row predicts an answer token
+    with torch.no_grad():
+        p_logits = target(input_ids=ids, attention_mask=mask, **kept(keep)).logits[scored[:, keep]][:, :vocab].float()
+    q_logits = draft_logits(draft, ids, mask, keep)[scored[:, keep]][:, :vocab].float()
+    return p_logits, q_logits
 
 
 def kl_step(draft, target, rows: list[dict], vocab: int) -> tuple[torch.Tensor, int]:
     """Forward KL(p || q) at the answer positions of a batch, averaged -> (loss, positions)."""
-    ids, mask, scored = batch_of(rows, target.device)
-    with torch.no_grad():
-        p_logits = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float()
-    q_logits = draft_logits(draft, ids, mask)[scored][:, :vocab].float()
+    p_logits, q_logits = pair_logits(draft, target, rows, vocab)
     loss = F.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="batchmean")
-    return loss, int(scored.sum())
+    return loss, p_logits.shape[0]
 
 
 @torch.no_grad()
@@ -141,9 +194,7 @@ def measure(draft, target, rows: list[dict], vocab: int) -> dict:
     """Top-1 agreement with the target's greedy token and mean alpha at T = 1 over held-out answer positions."""
     agree = alpha = n = 0.0
     for i in range(0, len(rows), 8):
-        ids, mask, scored = batch_of(rows[i: i + 8], target.device)
-        p = target(input_ids=ids, attention_mask=mask).logits[scored][:, :vocab].float().softmax(-1)
-        q = draft_logits(draft, ids, mask)[scored][:, :vocab].float().softmax(-1)
+        p, q = (x.softmax(-1) for x in pair_logits(draft, target, rows[i: i + 8], vocab))
         agree += float((p.argmax(-1) == q.argmax(-1)).sum())
         alpha += float(torch.minimum(p, q).sum())
         n += p.shape[0]
