@@ -64,6 +64,12 @@ def fsd_label(div: torch.Tensor, threshold: float) -> torch.Tensor:
     return (div <= threshold).float()
 
 
+def rfsd_accept_prob(div: torch.Tensor, alpha: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(...) divergence, (...) alpha of the candidate -> (...) the chance rFSD accepts it: 1 where D(p, q) <= T, else
+    the speculative-sampling test's alpha."""
+    return torch.where(div <= threshold, torch.ones_like(alpha), alpha)
+
+
 def entropy(p: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (...) Shannon entropy in nats."""
     return -torch.xlogy(p, p).sum(-1)

@@ -158,3 +158,24 @@ def test_one_pass_position_stats_equal_the_separate_functions(chunk, monkeypatch
     st = L.position_stats(p, q, cand, q_raw)
     assert torch.allclose(st["draft_entropy"], L.entropy(q_raw)) and st["q_cand"].shape == (4, 7)
     assert torch.equal(st["q_cand"], q_raw.gather(-1, cand[..., None])[..., 0])
+
+
+def test_the_rfsd_label_is_the_chance_the_relaxed_rule_accepts():
+    """RelaxedDivergence's target is the acceptance chance decode.rules.FSD(relaxed=True) acts on: counted over draws
+    of the rule's coin at fixed p and q, acceptance of the first candidate matches it, for a close and a far pair."""
+    from decode.rules.chain import FSD
+    from train.labels import RelaxedDivergence
+
+    torch.manual_seed(0)
+    for scale in (0.2, 3.0):  # JS below and above T = 0.1
+        p = torch.softmax(torch.randn(2, 6), -1)
+        q = torch.softmax(torch.log(p[:1]) + scale * torch.randn(1, 6), -1)
+        x = int(torch.argmax(q[0]))
+        cols = {"js": L.js(p[:1], q), "alpha": L.accept_prob(p[0, x], q[0, x]).reshape(1)}
+        want = float(RelaxedDivergence("js", 0.1).target(cols))
+        assert want >= float(cols["alpha"]) and (want == 1.0) == bool(cols["js"] <= 0.1)
+        from decode.streams import Streams
+
+        rule, gen = FSD("js", 0.1, relaxed=True), Streams([1])
+        got = sum(rule.verify(torch.tensor([x]), q, p, gen)[0] for _ in range(4000)) / 4000
+        assert abs(got - want) < 0.03, (scale, got, want)

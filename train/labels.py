@@ -74,6 +74,29 @@ class DivergenceThreshold(LabelFamily):
         return L.fsd_label(cols[self.divergence].float(), self.threshold)
 
 
+class RelaxedDivergence(LabelFamily):
+    """rFSD (decode.rules.FSD with relaxed=True): soft target 1 where D(p, q) <= T, else alpha = min(1, p(c)/q(c)),
+    the chance the position is accepted; weights w_acc and w_rej as SoftAcceptance's. The ROC event is rFSD's outcome
+    with a seeded u, as SoftAcceptance's is speculative sampling's."""
+
+    def __init__(self, divergence: str = "js", threshold: float = 0.1, w_acc: float = 1.0, w_rej: float = 6.0):
+        if divergence not in ("kl", "kl_qp", "js", "tv"):
+            raise ValueError(f"divergence must be one of kl, kl_qp, js, tv; got {divergence!r}")
+        self.divergence, self.threshold, self.w_acc, self.w_rej = divergence, threshold, w_acc, w_rej
+        self.w_pos, self.w_neg = w_acc, w_rej
+
+    def target(self, cols):
+        return L.rfsd_accept_prob(cols[self.divergence].float(), cols["alpha"].float(), self.threshold)
+
+    def event(self, cols, seed: int = 0):
+        u = torch.rand(len(cols["alpha"]), generator=torch.Generator().manual_seed(seed))
+        return (u < self.target(cols)).float()
+
+    def meta(self):
+        return {"family": "RelaxedDivergence", "divergence": self.divergence, "threshold": self.threshold,
+                "w_acc": self.w_acc, "w_rej": self.w_rej}
+
+
 def weighted_bce(logits: torch.Tensor, target: torch.Tensor, w_pos: float, w_neg: float) -> torch.Tensor:
     """(N,) logits and soft or hard targets -> () weighted BCE normalised by the weights."""
     logs, log1ms = torch.nn.functional.logsigmoid(logits), torch.nn.functional.logsigmoid(-logits)

@@ -29,6 +29,7 @@ COLUMNS = [("best fixed K (hindsight)", "fixed-K"), ("fixed K chosen on dev", "f
            ("SpecDec++ head", "specdec++"), ("SpecDec++ prev head", "specdec++-prev"),
            ("cost-aware stop", "cost-aware"), ("SPRINTER", "sprinter"),
            ("FSD + head", "fsd+head"), ("FSD + head, cost-aware", "fsd+cost-aware"),
+           ("rFSD + head, cost-aware", "rfsd+cost-aware"),
            ("draft confidence", "draft-confidence"), ("AdaEDL", "adaedl"),
            ("FLy", "fly"), ("HF assisted (its threshold)", "hf-confidence"), ("HF + head", "hf-specdec++"),
            ("oracle", "oracle"),

@@ -158,12 +158,12 @@ class FSD(Rule):
         u = us.tolist()
         div = L.divergence(self.divergence, p[:k], q)
         for i, x in enumerate(tokens.tolist()):
-            if div[i] <= self.threshold:
-                continue
-            if self.relaxed:
-                if u[i] < float(L.accept_prob(p[i, x], q[i, x])):
+            if self.relaxed:  # the chance an rFSD head learns (train.labels.RelaxedDivergence)
+                if u[i] < float(L.rfsd_accept_prob(div[i], L.accept_prob(p[i, x], q[i, x]), self.threshold)):
                     continue
                 return i, draw(L.residual(p[i], q[i]), us[k])
+            if L.fsd_label(div[i], self.threshold):
+                continue
             return i, draw(p[i], us[k])
         return k, draw(p[k], us[k])
 
