@@ -239,7 +239,9 @@ def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path
     distill.main(["--config", str(grown), "--cycles", "1"])
     log = capsys.readouterr().out
     assert "grown from" in log and "the target's layers [1] adding nothing yet" in log
-    assert "cycle 1: 4 answers" in log  # its own answers, not the smaller run's cycle-0 ones read as its own
+    # its own answers, not the smaller run's cycle-0 ones read as its own, and the next chunk (the third, at T = 1),
+    # not the smaller run's first again
+    assert "cycle 1: 4 answers (t1," in log
     info = json.loads((tmp_path / "grown" / "training.json").read_text())
     first, last = info["curve"][0], before["curve"][-1]
     # measured as the smaller run measured its last cycle, but on its bfloat16 export
@@ -249,7 +251,7 @@ def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path
     pair = load_pair(pair_yaml(tmp_path, str(target), str(tmp_path / "grown"), embeddings="target"))
     assert len(pair.draft.model.layers) == 2 and pair.tokenizer.vocab_size == 261
     distill.main(["--config", str(small), "--cycles", "1"])  # the smaller run resumes beside the grown one's rows
-    assert "cycle 3: 4 answers" in capsys.readouterr().out
+    assert "cycle 3: 4 answers (greedy," in capsys.readouterr().out  # after the grown run's chunk
     for change, says in (({"grow": str(tmp_path / "nowhere")}, "holds no exported draft"),
                          ({"grow": str(tmp_path / "grown"), "layers": [0]}, "grows from fewer layers")):
         grown.write_text(yaml.safe_dump({**raw, "out": str(tmp_path / "other"), **change}))

@@ -26,6 +26,7 @@ import random
 import re
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -179,6 +180,7 @@ class Run:
         for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
             x.setdefault("cycle", i // recipe.answers_per_cycle)
             x.setdefault("by", str(Path(recipe.answers or recipe.out)))  # ... or the run (out) that stored them
+            x.setdefault("n", x["cycle"])  # ... or the number of their chunk
         self.dev = Store(kept / "answers-dev.jsonl.gz")
         if len(self.dev.rows) < recipe.dev_prompts:
             dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
@@ -239,21 +241,25 @@ class Run:
         plot(self.curve, self.out / "curve.png")
 
     def run_cycle(self) -> None:
-        r, t0 = self.recipe, time.time()
-        at = (self.cycle * r.answers_per_cycle) % max(1, len(self.train_prompts))
-        chunk = self.train_prompts[at: at + r.answers_per_cycle]
-        setting = r.settings[self.cycle % len(r.settings)]
-        name = setting_name(setting)
+        r, t0, mine = self.recipe, time.time(), str(Path(self.recipe.out))
         # a cycle killed after its answers were stored trains on them again rather than drawing them twice
-        mine = str(Path(r.out))
         rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle and x.get("by") == mine]
+        # n numbers the chunks of the store, whichever run answered them: a run sharing another's answers takes the
+        # next setting and seeds, instead of the same answers again under its own cycle numbers
+        n = rows[0]["n"] if rows else 1 + max((x["n"] for x in self.answers.rows), default=-1)
+        setting = r.settings[n % len(r.settings)]
+        name = setting_name(setting)
+        # the instructions answered least often at this setting first (in the run's shuffled order): a greedy answer
+        # drawn twice is the same answer, and the store holds thousands from earlier runs and recipes
+        times = Counter(x["id"] for x in self.answers.rows if x.get("setting") == name)
+        chunk = sorted(self.train_prompts, key=lambda t: times[t[0]])[: r.answers_per_cycle]
         how = f"{len(rows)} stored answers reused"
         if not rows:
-            seed = r.seed + self.cycle * max(1000, r.answers_per_cycle)  # no two cycles' rows share a stream
+            seed = r.seed + n * max(1000, r.answers_per_cycle)  # no two chunks' rows share a stream
             for i in range(0, len(chunk), r.rows):
                 rows += self.answered(chunk[i: i + r.rows], setting, seed + i)
             for x in rows:
-                x["cycle"], x["by"] = self.cycle, mine
+                x["cycle"], x["by"], x["n"] = self.cycle, mine, n
             self.answers.add(rows)
             made = sum(len(x["answer"]) for x in rows)
             how = f"{len(rows)} answers ({name}, {made} tokens, {made / (time.time() - t0):.0f} tok/s)"
