@@ -66,8 +66,9 @@ def fsd_label(div: torch.Tensor, threshold: float) -> torch.Tensor:
 
 def rfsd_accept_prob(div: torch.Tensor, alpha: torch.Tensor, threshold: float) -> torch.Tensor:
     """(...) divergence, (...) alpha of the candidate -> (...) the chance rFSD accepts it: 1 where D(p, q) <= T, else
-    the speculative-sampling test's alpha."""
-    return torch.where(div <= threshold, torch.ones_like(alpha), alpha)
+    the speculative-sampling test's alpha. At T = 0 alpha alone (D = 0 means p = q, where alpha is 1; a divergence
+    rounded to 0 over a large vocabulary would otherwise accept outright): rFSD at T = 0 is speculative sampling."""
+    return torch.where(div <= threshold, torch.ones_like(alpha), alpha) if threshold > 0 else alpha
 
 
 def entropy(p: torch.Tensor) -> torch.Tensor:

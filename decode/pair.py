@@ -268,8 +268,11 @@ def load_tokenizers(cfg: PairConfig):
 
     t = AutoTokenizer.from_pretrained(cfg.target.resolved(), revision=cfg.target.revision)
     folder = Path(cfg.draft.resolved())
-    if cfg.draft.embeddings == "target" and not (folder / "tokenizer_config.json").is_file():
-        return t, t
+    if folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
+        if cfg.draft.embeddings == "target":
+            return t, t
+        raise ValueError(f"the draft folder {cfg.draft.path} holds no tokenizer (tokenizer_config.json): save the "
+                         f"draft's tokenizer there, or set embeddings: target if it shares the target's embeddings")
     d = AutoTokenizer.from_pretrained(str(folder), revision=cfg.draft.revision)
     return d, t
 

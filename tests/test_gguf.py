@@ -5,9 +5,11 @@ naming them; a distilled draft shares the target's embeddings, resumes from its 
 decodes as the target alone."""
 
 import dataclasses
+import gzip
 import io
 import json
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -234,7 +236,7 @@ def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path
     before = json.loads((tmp_path / "draft" / "training.json").read_text())
     grown = tmp_path / "grown.yaml"
     raw = yaml.safe_load(small.read_text())
-    grown.write_text(yaml.safe_dump({**raw, "out": str(tmp_path / "grown"), "layers": [0, 1],
+    grown.write_text(yaml.safe_dump({**raw, "out": str(tmp_path / "grown"), "layers": [0, 1], "dev_prompts": 4,
                                      "grow": str(tmp_path / "draft"), "answers": str(tmp_path / "draft")}))
     distill.main(["--config", str(grown), "--cycles", "1"])
     log = capsys.readouterr().out
@@ -247,13 +249,23 @@ def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path
     # measured as the smaller run measured its last cycle, but on its bfloat16 export
     assert first["cycle"] == 0 and abs(first["alpha"] - last["alpha"]) < 0.01 and abs(first["top1"] - last["top1"]) < 0.1
     assert info["answers"] == 12 and not (tmp_path / "grown" / "answers-train.jsonl.gz").exists()
+    dev = [json.loads(line) for line in gzip.open(tmp_path / "draft" / "answers-dev.jsonl.gz", "rt")]
+    assert len(dev) == len({x["id"] for x in dev}) == 4  # only the dev instruction the smaller run had not answered
     assert not (tmp_path / "grown" / "tokenizer.json").exists()  # it reads the target's
     pair = load_pair(pair_yaml(tmp_path, str(target), str(tmp_path / "grown"), embeddings="target"))
     assert len(pair.draft.model.layers) == 2 and pair.tokenizer.vocab_size == 261
+    with pytest.raises(ValueError, match="holds no tokenizer"):  # a draft of its own embeddings needs its own
+        load_pair(pair_yaml(tmp_path, str(target), str(tmp_path / "grown")))
+    cut = tmp_path / "cut"  # an export cut short
+    shutil.copytree(tmp_path / "grown", cut)
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])
+    recipe_file = small
     distill.main(["--config", str(small), "--cycles", "1"])  # the smaller run resumes beside the grown one's rows
     assert "cycle 3: 4 answers (greedy," in capsys.readouterr().out  # after the grown run's chunk
     for change, says in (({"grow": str(tmp_path / "nowhere")}, "holds no exported draft"),
-                         ({"grow": str(tmp_path / "grown"), "layers": [0]}, "grows from fewer layers")):
+                         ({"grow": str(tmp_path / "grown"), "layers": [0]}, "grows from fewer layers"),
+                         ({"grow": str(tmp_path / "cut")}, "not a readable exported draft"),
+                         ({"grow": 5}, "grow takes a folder path"), ({"answers": str(recipe_file)}, "a file")):
         grown.write_text(yaml.safe_dump({**raw, "out": str(tmp_path / "other"), **change}))
         with pytest.raises(SystemExit):
             distill.main(["--config", str(grown), "--cycles", "1"])
@@ -294,3 +306,25 @@ def test_a_distillation_killed_between_its_save_and_its_measure_measures_that_cy
     assert [c["cycle"] for c in info["curve"]] == [0, 1, 2, 3]
     with pytest.raises(SystemExit):
         distill.main(["--config", str(recipe), "--minutes", "nan"])
+
+
+def test_a_distillation_killed_inside_its_first_export_starts_again(tmp_path, cache, capsys):
+    from train import distill
+
+    recipe = distill_recipe(tmp_path, write_gguf(tmp_path / "target.gguf", layers=2, seed=0))
+    real = distill.export
+
+    def cut(draft, out, info):  # the weights written, the run killed before training.json
+        real(draft, out, info)
+        (out / "training.json").unlink()
+        raise KeyboardInterrupt
+
+    distill.export = cut
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill.main(["--config", str(recipe), "--cycles", "1"])
+    finally:
+        distill.export = real
+    distill.main(["--config", str(recipe), "--cycles", "1"])
+    assert "a new draft of the target's layers [0]" in capsys.readouterr().out
+    assert json.loads((tmp_path / "draft" / "training.json").read_text())["cycle"] == 1

@@ -179,3 +179,9 @@ def test_the_rfsd_label_is_the_chance_the_relaxed_rule_accepts():
         rule, gen = FSD("js", 0.1, relaxed=True), Streams([1])
         got = sum(rule.verify(torch.tensor([x]), q, p, gen)[0] for _ in range(4000)) / 4000
         assert abs(got - want) < 0.03, (scale, got, want)
+
+
+def test_rfsd_at_threshold_zero_is_the_lossless_test_even_where_the_divergence_rounds_to_zero():
+    div, alpha = torch.tensor([0.0, 0.0, 0.3]), torch.tensor([0.5, 1.0, 0.2])
+    assert L.rfsd_accept_prob(div, alpha, 0.0).tolist() == pytest.approx([0.5, 1.0, 0.2])
+    assert L.rfsd_accept_prob(div, alpha, 0.1).tolist() == pytest.approx([1.0, 1.0, 0.2])

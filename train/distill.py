@@ -95,6 +95,12 @@ class Recipe:
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
             raise ValueError(f"recipe field layers lists the target's layers the draft starts from (e.g. [0, 1]), "
                              f"got {self.layers!r}")
+        for name in ("grow", "answers"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"recipe field {name} takes a folder path (or nothing), got {getattr(self, name)!r}")
+        if self.answers and (ROOT / self.answers).exists() and not (ROOT / self.answers).is_dir():
+            raise ValueError(f"recipe field answers names {self.answers}, a file: it takes the folder whose "
+                             f"answers-*.jsonl.gz the run shares")
         if not isinstance(self.target, dict):
             raise ValueError(f"recipe field target is a model spec (path, dtype), e.g. {{path: model.gguf, dtype: "
                              f"bfloat16}}, got {self.target!r}")
@@ -176,19 +182,27 @@ class Run:
         self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
         random.Random(recipe.seed).shuffle(self.train_prompts)
         kept = ROOT / (recipe.answers or recipe.out)
+        kept.mkdir(parents=True, exist_ok=True)
         self.answers = Store(kept / "answers-train.jsonl.gz")
         for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
             x.setdefault("cycle", i // recipe.answers_per_cycle)
             x.setdefault("by", str(Path(recipe.answers or recipe.out)))  # ... or the run (out) that stored them
             x.setdefault("n", x["cycle"])  # ... or the number of their chunk
         self.dev = Store(kept / "answers-dev.jsonl.gz")
-        if len(self.dev.rows) < recipe.dev_prompts:
-            dev = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
-            log(f"the target answers {len(dev)} dev instructions (greedy), once, for the learning curve")
+        # the recipe's own dev instructions, each answered once, whichever run sharing the store answered it: the
+        # learning curve stays on one set
+        wanted = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "dev").load()][: recipe.dev_prompts]
+        missing = [w for w in wanted if w[0] not in {x["id"] for x in self.dev.rows}]
+        if missing:
+            log(f"the target answers {len(missing)} dev instructions (greedy), once, for the learning curve")
             rows = []
-            for i in range(0, len(dev), recipe.rows):
-                rows += self.answered(dev[i: i + recipe.rows], {"temperature": 0.0}, recipe.seed)
+            for i in range(0, len(missing), recipe.rows):
+                rows += self.answered(missing[i: i + recipe.rows], {"temperature": 0.0}, recipe.seed)
             self.dev.add(rows)
+        first = {}
+        for x in self.dev.rows:
+            first.setdefault(x["id"], x)
+        self.held_out = [first[k] for k, _ in wanted]
 
     def answered(self, chunk: list[tuple[str, str]], setting: dict, seed: int) -> list[dict]:
         """(id, text) instructions -> stored rows of the target's answers, prompts in the chat template."""
@@ -209,7 +223,8 @@ class Run:
             self.cycle, self.step, self.tokens, self.curve = got["cycle"], got["step"], got["tokens"], got["curve"]
             self.fresh_at = got.get("fresh_at", 0)
             log(f"resumed from {state}: cycle {self.cycle}, {self.tokens:,} tokens seen")
-        elif exported.exists():
+        # (a run killed between the two files of its first export has no training.json: it starts again)
+        elif exported.exists() and (self.out / "training.json").exists():
             self.draft.load_state_dict({k: v.float() for k, v in load_file(exported).items()}, strict=False)
             info = json.loads((self.out / "training.json").read_text())
             self.cycle, self.step, self.tokens, self.curve = info["cycle"], info["step"], info["tokens"], info["curve"]
@@ -233,7 +248,7 @@ class Run:
         write_atomic(self.state_dir / "state.pt", lambda p: torch.save(state, p))
 
     def evaluate(self) -> None:
-        got = measure(self.draft, self.target, self.dev.rows, self.vocab)
+        got = measure(self.draft, self.target, self.held_out, self.vocab)
         self.curve.append({"cycle": self.cycle, "tokens": self.tokens, **got})
         log(f"cycle {self.cycle}: {self.tokens:,} tokens seen, held-out top-1 {got['top1']:.3f}, "
             f"alpha(T=1) {got['alpha']:.3f} over {got['positions']} positions")

@@ -45,16 +45,28 @@ def grow(draft, target, folder: Path) -> int:
     builds today): a layer whose output is not a residual sum fails the check with a one-line error."""
     from safetensors.torch import load_file
 
-    old = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else None
     have = len(draft.model.layers)
-    if old is None or not (folder / "model.safetensors").is_file():
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
         raise ValueError(f"recipe field grow names {folder}, which holds no exported draft (config.json and "
                          f"model.safetensors, as python -m train.distill writes them)")
+    try:
+        old = json.loads((folder / "config.json").read_text())
+        weights = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
+        if not isinstance(old, dict):
+            raise ValueError("config.json is not an object")
+    except Exception as e:  # a cut or garbled file: safetensors, json and OS errors alike
+        raise ValueError(f"recipe field grow: {folder} is not a readable exported draft ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:120]}); export it again or start the draft anew") from None
     n = old.get("num_hidden_layers", 0)
-    if not 0 < n < have or old.get("hidden_size") != draft.config.hidden_size:
+    if not isinstance(n, int) or not 0 < n < have or old.get("hidden_size") != draft.config.hidden_size:
         raise ValueError(f"recipe field grow: {folder} has {n} layers of width {old.get('hidden_size')}; a draft of "
                          f"{have} layers of width {draft.config.hidden_size} grows from fewer layers of its width")
-    weights = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
+    shape = ("model_type", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+    other = [k for k in shape if k in old and old[k] != getattr(draft.config, k, old[k])]
+    if other:
+        raise ValueError(f"recipe field grow: {folder} is a draft of another model ({', '.join(f'{k} {old[k]}' for k in other)}"
+                         f", the target has {', '.join(str(getattr(draft.config, k)) for k in other)}); grow from a "
+                         f"draft of this target")
     mine = draft.state_dict()
     bad = [k for k, v in weights.items() if k not in mine or mine[k].shape != v.shape]
     if bad:
