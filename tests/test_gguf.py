@@ -256,6 +256,16 @@ def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path
     assert len(pair.draft.model.layers) == 2 and pair.tokenizer.vocab_size == 261
     with pytest.raises(ValueError, match="holds no tokenizer"):  # a draft of its own embeddings needs its own
         load_pair(pair_yaml(tmp_path, str(target), str(tmp_path / "grown")))
+    from train import precision
+
+    pair_file = pair_yaml(tmp_path, str(target), str(tmp_path / "draft"), embeddings="target")
+    capsys.readouterr()
+    precision.main(["--pair", str(pair_file), "--draft", str(tmp_path / "grown"), "--dtypes", "float32", "--tokens",
+                    "2", "--prefix", "8", "--repeats", "1"])  # the grown draft's step cost, before a pair names it
+    assert "a draft step costs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        precision.main(["--pair", str(pair_file), "--draft", str(tmp_path / "nowhere")])
+    assert "is not a model folder" in capsys.readouterr().err
     cut = tmp_path / "cut"  # an export cut short
     shutil.copytree(tmp_path / "grown", cut)
     (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])

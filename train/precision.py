@@ -3,6 +3,7 @@ cache of `--prefix` tokens, in every dtype asked for.
 
     python -m train.precision --pair configs/pairs/smollm2.yaml
     python -m train.precision --pair configs/pairs/smollm2.yaml --dtypes float32 bfloat16 --tokens 1 4 16 64
+    python -m train.precision --pair configs/pairs/smollm2.yaml --draft checkpoints/smollm2-draft-3l --dtypes bfloat16
 
 CPUs differ: with AMX or AVX-512 bf16 a bfloat16 matmul is fast, elsewhere slow, so a pair's dtypes are chosen here
 and not assumed. Prints a table (median ms of `--repeats` forwards by dtype and tokens), each model's fastest
@@ -53,9 +54,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--prefix", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--draft", default=None,
+                    help="another draft folder in the pair's place (its embeddings as the pair's draft's), e.g. one "
+                         "being distilled")
     args = ap.parse_args(argv)
     try:
         cfg = PairConfig.from_yaml(args.pair)
+        if args.draft:
+            cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, path=args.draft))
+            cfg.draft.resolved()  # a folder that is not a model says so here
         bad = [d for d in args.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
         if bad:
             raise ValueError(f"--dtypes takes torch dtype names (float32, bfloat16, float16), got {bad}")
