@@ -144,7 +144,7 @@ def bench(argv: list[str]) -> None:
     """Run every method of a bench config on its prompt sets; print and save the table and plots."""
     import argparse
 
-    from decode.evaluation.bench import UnknownPromptSet, run
+    from decode.evaluation.bench import BadBenchConfig, run
 
     ap = argparse.ArgumentParser(prog="python -m decode bench")
     ap.add_argument("--config", default="configs/bench/pycode.yaml", help="bench YAML")
@@ -164,7 +164,7 @@ def bench(argv: list[str]) -> None:
     try:
         run(args.config, quick=args.quick, readme=args.readme, repeats=args.repeats, output=args.output,
             prompt_sets=args.prompt_sets, settings=args.settings)
-    except UnknownPromptSet as e:
+    except BadBenchConfig as e:
         ap.error(str(e))
 
 

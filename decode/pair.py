@@ -59,6 +59,22 @@ class Sampling:
         return "" if self.name == own.name else f"-{self.name}"
 
 
+def read_yaml(path: Path) -> dict:
+    """A config file's mapping, or a one-line ValueError saying where the YAML breaks (a hand-edited config's commonest
+    fault: a list item under a key written inline, a tab, an unclosed bracket)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path} is not valid YAML{where} ({getattr(e, 'problem', None) or e}); fix that line") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a {type(raw).__name__}, not a mapping of keys to values")
+    return raw
+
+
 @dataclass
 class ModelSpec:
     """Where one model lives and how to place it. path: a hub id, a local folder, a local .gguf file, or a file in a
@@ -112,7 +128,7 @@ class PairConfig:
             path = ROOT / path
         if not path.exists():
             raise FileNotFoundError(f"pair config {path} not found; the shipped ones are in configs/pairs/")
-        raw = yaml.safe_load(path.read_text())
+        raw = read_yaml(path)
         try:
             return cls(
                 name=raw["name"],

@@ -26,26 +26,26 @@ TINY_BENCH = {
 
 
 def test_prompt_sets_option_keeps_the_named_sets_and_names_the_ones_there_are(tmp_path):
-    from decode.evaluation.bench import UnknownPromptSet, load_config
+    from decode.evaluation.bench import BadBenchConfig, load_config
 
     path = tmp_path / "bench.yaml"
     two = TINY_BENCH["prompt_sets"] + [TINY_BENCH["prompt_sets"][0] | {"name": "humaneval"}]
     path.write_text(yaml.safe_dump(TINY_BENCH | {"prompt_sets": two}))
     assert [ps["name"] for ps in load_config(str(path), False, None)["prompt_sets"]] == ["pycode", "humaneval"]
     assert [ps["name"] for ps in load_config(str(path), False, None, None, ["humaneval"])["prompt_sets"]] == ["humaneval"]
-    with pytest.raises(UnknownPromptSet, match="--prompt_sets mbpp: bench.yaml has pycode, humaneval"):
+    with pytest.raises(BadBenchConfig, match="--prompt_sets mbpp: bench.yaml has pycode, humaneval"):
         load_config(str(path), False, None, None, ["mbpp"])
 
 
 def test_settings_option_keeps_the_sections_of_the_named_settings_and_names_the_ones_there_are():
     """The greedy section of the shipped bench alone (what python -m decode bench --settings greedy runs)."""
-    from decode.evaluation.bench import UnknownPromptSet, load_config
+    from decode.evaluation.bench import BadBenchConfig, load_config
 
     cfg = load_config("configs/bench/pycode.yaml", False, None, settings=["greedy"])
     assert [sec["sampling"] for sec in cfg["sections"]] == [{"temperature": 0.0}]
     both = load_config("configs/bench/pycode.yaml", False, None, settings=["t1", "greedy"])["sections"]
     assert [sec["sampling"]["temperature"] for sec in both] == [0.0, 1.0]  # the YAML's order
-    with pytest.raises(UnknownPromptSet, match="--settings t2: pycode.yaml has greedy, t0.7-p0.95, t1"):
+    with pytest.raises(BadBenchConfig, match="--settings t2: pycode.yaml has greedy, t0.7-p0.95, t1"):
         load_config("configs/bench/pycode.yaml", False, None, settings=["t2"])
 
 

@@ -130,3 +130,22 @@ def test_distillation_recipes_parse(path):
 
     recipe = Recipe.from_yaml(path)
     assert recipe.layers and recipe.settings and (ROOT / recipe.out).is_dir()
+
+
+def test_a_config_that_is_not_valid_yaml_or_not_a_mapping_is_named_in_one_line(tmp_path, capsys):
+    from decode.__main__ import bench
+    from decode.pair import read_yaml
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pair: configs/pairs/pycode.yaml\nignore_eos: [t1]\n- t0.7\n")
+    with pytest.raises(ValueError, match=r"bad.yaml is not valid YAML at line 3, column 1"):
+        read_yaml(bad)
+    (tmp_path / "list.yaml").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="holds a list, not a mapping"):
+        read_yaml(tmp_path / "list.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    assert read_yaml(tmp_path / "empty.yaml") == {}
+    with pytest.raises(SystemExit):
+        bench(["--config", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is not valid YAML at line 3" in err[-1] and not any("Traceback" in line for line in err)

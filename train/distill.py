@@ -14,7 +14,12 @@ answers to the dev instructions (greedy, generated once): top-1 agreement with t
 alpha at T = 1 (sum over the vocabulary of min(p, q)), logged against the tokens seen in curve.jsonl and drawn in
 curve.png. State (the draft, the optimiser, the cycle, the store) is saved after every cycle, each file written
 aside and renamed into place, so a killed run resumes from its last cycle; without the state (a fresh clone), it
-resumes from the exported draft and its committed answers with a fresh optimiser.
+resumes from the exported draft and its committed answers with a fresh optimiser. The export holds no tokenizer: a
+draft sharing the target's embeddings reads the target's.
+
+A recipe's `grow` starts a new draft from a smaller exported one (its layers first, the further ones adding nothing
+until trained), and `answers` names another run's folder whose stored answers this run shares and adds to
+(configs/distill/smollm2-3l.yaml does both). Two runs sharing a store take turns: each rewrites the whole file.
 """
 
 from __future__ import annotations
@@ -31,10 +36,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-import yaml
 
 from decode.evaluation.report import write_atomic
-from decode.pair import ROOT, ModelSpec, load_model
+from decode.pair import ROOT, ModelSpec, load_model, read_yaml
 from decode.prompting import encode
 from train.draft import Store, answer, export, grow, kl_step, make_draft, measure, teacher_pair, trained_state
 
@@ -123,7 +127,7 @@ class Recipe:
         path = Path(path) if Path(path).exists() else ROOT / path
         if not path.exists():
             raise FileNotFoundError(f"distillation recipe {path} not found; the shipped ones are in configs/distill/")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path)
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"{path}: unknown recipe keys {sorted(unknown)}; see configs/distill/smollm2.yaml")

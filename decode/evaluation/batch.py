@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from data_gen.prompts import PromptSet
 from decode.batch import BatchAutoregressive, BatchDecoder
@@ -47,7 +46,7 @@ from decode.evaluation.bench_config import check_ignore_eos, stops_at_eos
 from decode.evaluation.intervals import bootstrap_ci
 from decode.evaluation.report import pyplot
 from decode.hf import hf_generate_batch
-from decode.pair import Pair, Sampling, load_pair
+from decode.pair import Pair, Sampling, load_pair, read_yaml
 from decode.policies import DraftConfidence, FixedK
 from decode.rules.chain import SpeculativeSampling
 from decode.tree.head import HeadTree
@@ -243,7 +242,7 @@ def choose_on_dev(pair: Pair, cfg: BatchBenchConfig, dev: list[list[int]], cache
 
 def run(config: str, quick: bool = False, output: str | None = None) -> list[dict]:
     """Every setting and batch size of the config; prints the table and writes csv, markdown and the plot."""
-    cfg = BatchBenchConfig(**(yaml.safe_load(Path(config).read_text()) or {}))
+    cfg = BatchBenchConfig(**read_yaml(Path(config)))
     if quick:  # minutes: two sizes, one batch each, three Ks
         cfg.batch_sizes, cfg.repeats, cfg.fixed_k = [1, 8], {1: 2, 8: 1}, [1, 2, 4]
     out_dir = Path(output or cfg.output)

@@ -35,8 +35,8 @@ import torch
 from decode.costs.model import CostModel
 from decode.evaluation.bench_config import (
     ROOT,
+    BadBenchConfig,
     Method,
-    UnknownPromptSet,
     build,
     encode_prompts,
     expand,
@@ -50,7 +50,7 @@ from decode.evaluation.summary import HEAD, PREV_HEAD
 from decode.pair import Pair, Sampling, load_pair
 
 # the names callers and tests import from here (decode.evaluation.tuning, decode.__main__) beside this module's own
-__all__ = ["ROOT", "Method", "UnknownPromptSet", "build", "choose", "choose_by_replay", "code_fingerprint", "dev_choices",
+__all__ = ["ROOT", "Method", "BadBenchConfig", "build", "choose", "choose_by_replay", "code_fingerprint", "dev_choices",
            "encode_prompts", "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config",
            "replayable", "rows_of", "run", "run_split", "save_json", "split_files", "work_key", "write_outputs"]
 

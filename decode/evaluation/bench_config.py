@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from decode.evaluation.summary import HEAD, PREV_HEAD
-from decode.pair import Pair, Sampling
+from decode.pair import Pair, Sampling, read_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,18 +81,26 @@ def encode_prompts(pair: Pair, ps_raw: dict, n: int) -> list[list[int]]:
     return [pair.encode(t, budget) for t in PromptSet(**ps_raw).load()["prompt"]]
 
 
-class UnknownPromptSet(ValueError):
-    """--prompt_sets, --settings or ignore_eos named a set or a sampling setting the bench YAML does not have: the
-    command says so in one line."""
+class BadBenchConfig(ValueError):
+    """The bench YAML does not parse, or --prompt_sets, --settings or ignore_eos named a set or a sampling setting it
+    does not have: the command says so in one line."""
+
+
+def read_bench_yaml(path: Path) -> dict:
+    """The bench YAML as a mapping, or BadBenchConfig in one line."""
+    try:
+        return read_yaml(path)
+    except ValueError as e:
+        raise BadBenchConfig(str(e)) from None
 
 
 def check_ignore_eos(ignore, settings: list[str], where: str = "") -> None:
     """ignore_eos (of the bench or the batch bench) must be a list of the config's setting names: a typo would
     silently leave EOS on."""
     if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
-        raise UnknownPromptSet(f"{where}ignore_eos is {ignore!r}; give a list of setting names, e.g. [t1]")
+        raise BadBenchConfig(f"{where}ignore_eos is {ignore!r}; give a list of setting names, e.g. [t1]")
     if unknown := sorted(set(ignore) - set(settings)):
-        raise UnknownPromptSet(f"{where}ignore_eos names {unknown}, which are not among its settings "
+        raise BadBenchConfig(f"{where}ignore_eos names {unknown}, which are not among its settings "
                                f"{settings}: name settings as the bench does (greedy, t0.7-p0.95, t1)")
 
 
@@ -107,7 +115,7 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
     path = Path(config) if Path(config).is_absolute() else ROOT / config
     cfg = {"max_new_tokens": 64, "seed": 0, "repeats": 1, "cost_repeats": 7, "threads": 2, "quality_tolerance": 0.05,
            "output": "runs/bench", "ignore_eos": [], "summary_head": HEAD, "summary_prev_head": PREV_HEAD
-           } | yaml.safe_load(path.read_text())
+           } | read_bench_yaml(path)
     setting_names = [Sampling(**sec.get("sampling", {})).name for sec in cfg["sections"]]
     check_ignore_eos(cfg["ignore_eos"], setting_names, f"{path.name}: ")
     if repeats is not None:
@@ -117,11 +125,11 @@ def load_config(config: str, quick: bool, repeats: int | None, output: str | Non
     if prompt_sets:
         names = [ps["name"] for ps in cfg["prompt_sets"]]
         if unknown := [n for n in prompt_sets if n not in names]:
-            raise UnknownPromptSet(f"--prompt_sets {' '.join(unknown)}: {path.name} has {', '.join(names)}")
+            raise BadBenchConfig(f"--prompt_sets {' '.join(unknown)}: {path.name} has {', '.join(names)}")
         cfg["prompt_sets"] = [ps for ps in cfg["prompt_sets"] if ps["name"] in prompt_sets]
     if settings:  # e.g. the greedy sections alone: --settings greedy
         if unknown := [n for n in settings if n not in setting_names]:
-            raise UnknownPromptSet(f"--settings {' '.join(unknown)}: {path.name} has {', '.join(setting_names)}")
+            raise BadBenchConfig(f"--settings {' '.join(unknown)}: {path.name} has {', '.join(setting_names)}")
         cfg["sections"] = [sec for sec, name in zip(cfg["sections"], setting_names) if name in settings]
     if quick:  # a smoke run: few prompts, few methods, no dev sweep, a coarse cost model
         cfg["repeats"], cfg["cost_repeats"] = 1, 3
