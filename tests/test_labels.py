@@ -185,3 +185,33 @@ def test_rfsd_at_threshold_zero_is_the_lossless_test_even_where_the_divergence_r
     div, alpha = torch.tensor([0.0, 0.0, 0.3]), torch.tensor([0.5, 1.0, 0.2])
     assert L.rfsd_accept_prob(div, alpha, 0.0).tolist() == pytest.approx([0.5, 1.0, 0.2])
     assert L.rfsd_accept_prob(div, alpha, 0.1).tolist() == pytest.approx([1.0, 1.0, 0.2])
+
+
+def test_fsd_reads_the_divergence_only_where_it_decides_and_decides_as_over_the_whole_block():
+    """FSD.verify computes a divergence only at the positions it reaches (rFSD: only where the lossless test rejects);
+    its decisions and tokens equal those of the whole block's divergences read up front, coin for coin."""
+    from decode.rules.chain import FSD, coins, draw
+    from decode.streams import Streams
+
+    def whole_block(rule, tokens, q, p, gen):
+        k = len(tokens)
+        us = coins(gen, k)
+        div = L.divergence(rule.divergence, p[:k], q)
+        for i, x in enumerate(tokens.tolist()):
+            if rule.relaxed:
+                if us[i] < float(L.rfsd_accept_prob(div[i], L.accept_prob(p[i, x], q[i, x]), rule.threshold)):
+                    continue
+                return i, draw(L.residual(p[i], q[i]), us[k])
+            if div[i] <= rule.threshold:
+                continue
+            return i, draw(p[i], us[k])
+        return k, draw(p[k], us[k])
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        k, v = 1 + trial % 4, 7
+        p = torch.softmax(torch.randn(k + 1, v, generator=g) * 2, -1)
+        q = torch.softmax(torch.log(p[:k]) + torch.randn(k, v, generator=g) * (0.1 + trial % 3), -1)
+        tokens = torch.multinomial(q, 1, generator=g)[:, 0]
+        for rule in (FSD("js", 0.05), FSD("tv", 0.2, relaxed=True), FSD("kl", 0.0, relaxed=True)):
+            assert rule.verify(tokens, q, p, Streams([trial])) == whole_block(rule, tokens, q, p, Streams([trial]))

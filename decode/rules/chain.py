@@ -156,16 +156,22 @@ class FSD(Rule):
         k = len(tokens)
         us = coins(gen, k)  # as SpeculativeSampling draws them: rFSD at T = 0 is it, token for token
         u = us.tolist()
-        div = L.divergence(self.divergence, p[:k], q)
         for i, x in enumerate(tokens.tolist()):
+            # a divergence over the vocabulary costs more than the rest of a verify: it is read only at the positions
+            # reached, and by rFSD only where the lossless test rejects (where that test accepts, rFSD does too)
             if self.relaxed:  # the chance an rFSD head learns (train.labels.RelaxedDivergence)
-                if u[i] < float(L.rfsd_accept_prob(div[i], L.accept_prob(p[i, x], q[i, x]), self.threshold)):
+                alpha = L.accept_prob(p[i, x], q[i, x])
+                if u[i] < float(alpha) or u[i] < float(L.rfsd_accept_prob(self.div(p[i], q[i]), alpha, self.threshold)):
                     continue
                 return i, draw(L.residual(p[i], q[i]), us[k])
-            if L.fsd_label(div[i], self.threshold):
+            if L.fsd_label(self.div(p[i], q[i]), self.threshold):
                 continue
             return i, draw(p[i], us[k])
         return k, draw(p[k], us[k])
+
+    def div(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """(V,), (V,) -> () the rule's divergence at one position."""
+        return L.divergence(self.divergence, p[None], q[None])[0]
 
 
 class FLy(Rule):
