@@ -186,11 +186,12 @@ class Run:
         self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
         random.Random(recipe.seed).shuffle(self.train_prompts)
         kept = ROOT / (recipe.answers or recipe.out)
+        self.me = str(Path(recipe.out))  # what the store's rows name the run that answered them by
         kept.mkdir(parents=True, exist_ok=True)
         self.answers = Store(kept / "answers-train.jsonl.gz")
         for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
             x.setdefault("cycle", i // recipe.answers_per_cycle)
-            x.setdefault("by", str(Path(recipe.answers or recipe.out)))  # ... or the run (out) that stored them
+            x.setdefault("by", str(Path(recipe.answers or recipe.out)))  # ... or the run that owns the store
             x.setdefault("n", x["cycle"])  # ... or the number of their chunk
         self.dev = Store(kept / "answers-dev.jsonl.gz")
         # the recipe's own dev instructions, each answered once, whichever run sharing the store answered it: the
@@ -260,7 +261,7 @@ class Run:
         plot(self.curve, self.out / "curve.png")
 
     def run_cycle(self) -> None:
-        r, t0, mine = self.recipe, time.time(), str(Path(self.recipe.out))
+        r, t0, mine = self.recipe, time.time(), self.me
         # a cycle killed after its answers were stored trains on them again rather than drawing them twice
         rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle and x.get("by") == mine]
         # n numbers the chunks of the store, whichever run answered them: a run sharing another's answers takes the

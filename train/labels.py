@@ -13,6 +13,18 @@ import torch
 from decode import labels as L
 
 
+def seeded_outcome(chance: torch.Tensor, seed: int) -> torch.Tensor:
+    """(N,) acceptance chances -> (N,) the outcome of a test with a seeded coin: a soft family's ROC event."""
+    u = torch.rand(len(chance), generator=torch.Generator().manual_seed(seed))
+    return (u < chance).float()
+
+
+def check_divergence(name: str) -> None:
+    """A divergence family's name, or a one-line ValueError listing the ones decode.labels computes."""
+    if name not in ("kl", "kl_qp", "js", "tv"):
+        raise ValueError(f"divergence must be one of kl, kl_qp, js, tv; got {name!r}")
+
+
 class LabelFamily:
     """Base: subclasses set w_pos, w_neg and implement target(cols)."""
 
@@ -45,8 +57,7 @@ class SoftAcceptance(LabelFamily):
         return cols["alpha"].float()
 
     def event(self, cols, seed: int = 0):
-        u = torch.rand(len(cols["alpha"]), generator=torch.Generator().manual_seed(seed))
-        return (u < cols["alpha"]).float()
+        return seeded_outcome(cols["alpha"], seed)
 
     def meta(self):
         return {"family": "SoftAcceptance", "w_acc": self.w_acc, "w_rej": self.w_rej}
@@ -66,8 +77,7 @@ class DivergenceThreshold(LabelFamily):
     """FSD: hard label 1 when D(p, q) <= T at the position, D one of kl, kl_qp, js, tv."""
 
     def __init__(self, divergence: str = "js", threshold: float = 0.1, w_pos: float = 1.0, w_neg: float = 1.0):
-        if divergence not in ("kl", "kl_qp", "js", "tv"):
-            raise ValueError(f"divergence must be one of kl, kl_qp, js, tv; got {divergence!r}")
+        check_divergence(divergence)
         self.divergence, self.threshold, self.w_pos, self.w_neg = divergence, threshold, w_pos, w_neg
 
     def target(self, cols):
@@ -80,8 +90,7 @@ class RelaxedDivergence(LabelFamily):
     with a seeded u, as SoftAcceptance's is speculative sampling's."""
 
     def __init__(self, divergence: str = "js", threshold: float = 0.1, w_acc: float = 1.0, w_rej: float = 6.0):
-        if divergence not in ("kl", "kl_qp", "js", "tv"):
-            raise ValueError(f"divergence must be one of kl, kl_qp, js, tv; got {divergence!r}")
+        check_divergence(divergence)
         self.divergence, self.threshold, self.w_acc, self.w_rej = divergence, threshold, w_acc, w_rej
         self.w_pos, self.w_neg = w_acc, w_rej
 
@@ -89,8 +98,7 @@ class RelaxedDivergence(LabelFamily):
         return L.rfsd_accept_prob(cols[self.divergence].float(), cols["alpha"].float(), self.threshold)
 
     def event(self, cols, seed: int = 0):
-        u = torch.rand(len(cols["alpha"]), generator=torch.Generator().manual_seed(seed))
-        return (u < self.target(cols)).float()
+        return seeded_outcome(self.target(cols), seed)
 
     def meta(self):
         return {"family": "RelaxedDivergence", "divergence": self.divergence, "threshold": self.threshold,
