@@ -9,12 +9,17 @@ two splits:
 - a stdlib module's docstring becomes a question about the module;
 - a pydoc topic (the language reference's help topics) becomes a question about that part of the language.
 HumanEval (data_gen.prompts) stays out of every split: it is the out-of-distribution test set.
+
+A second set, instruct-packages, makes the same coding requests and module questions from the installed packages the
+project depends on (PACKAGES). It has a train split only, for training a draft on more distinct instructions than the
+stdlib holds; what it holds follows the installed versions, so a run stores the prompts it answered (train.distill).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from data_gen.stdlib import SPLITS, read_source, split_of, stdlib_files, stdlib_root
 
@@ -38,16 +43,47 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return f"{node.name}({', '.join(args)})"
 
 
+# the project's own dependencies (pyproject.toml), so wherever it is installed they are; tests and vendored copies left out
+PACKAGES = ("torch", "transformers", "lightning", "jsonargparse", "tokenizers", "datasets", "torchmetrics", "sklearn",
+            "safetensors", "matplotlib", "yaml", "tqdm", "numba", "gguf", "accelerate", "numpy")
+_SKIP_PARTS = {"test", "tests", "testing", "_vendor", "vendored", "__pycache__"}
+
+
 def stdlib_requests(split: str) -> list[dict]:
     """Every coding request and module question of one split, in file order then line order (deterministic)."""
-    root, out = stdlib_root(), []
-    for path in stdlib_files(split):
-        rel = path.relative_to(root).as_posix()
+    return _requests(stdlib_root(), stdlib_files(split), "")
+
+
+def package_records(split: str = "train") -> list[dict]:
+    """instruct-packages: the coding requests and module questions of PACKAGES' files (train only), each prompt once."""
+    import importlib.util
+
+    if split != "train":
+        raise ValueError(f"instruct-packages has only the split 'train' (it trains drafts), not {split!r}")
+    out, seen = [], set()
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(p for p in root.rglob("*.py") if not _SKIP_PARTS.intersection(p.relative_to(root).parts))
+        for r in _requests(root.parent, files, "site:"):
+            if r["prompt"] not in seen:  # generated model files repeat their docstrings
+                seen.add(r["prompt"])
+                out.append(r)
+    return out
+
+
+def _requests(root: Path, files: list[Path], prefix: str) -> list[dict]:
+    """The coding requests and module questions of some .py files under root, ids prefixed."""
+    out = []
+    for path in files:
+        rel = prefix + path.relative_to(root).as_posix()
         try:
             tree = ast.parse(read_source(path))
         except SyntaxError:
             continue
-        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        module = rel.removeprefix(prefix)[:-3].replace("/", ".").removesuffix(".__init__")
         about = _paragraph(ast.get_docstring(tree))
         if about and not module.split(".")[-1].startswith("_"):
             out.append({"id": f"{rel}:module", "source": rel,
@@ -90,6 +126,7 @@ def main() -> None:
     for split in SPLITS:
         rows = instruct_records(split)
         print(f"instruct {split:5s} {len(rows):6d} prompts")
+    print(f"instruct-packages train {len(package_records()):6d} prompts")
     for row in instruct_records("dev")[:3]:
         print("  ", row["id"], "|", row["prompt"][:160])
 

@@ -90,6 +90,10 @@ class PromptSet:
             from data_gen.instruct import instruct_records
 
             ds = datasets.Dataset.from_list(instruct_records(self.split))
+        elif self.name == "instruct-packages":
+            from data_gen.instruct import package_records
+
+            ds = datasets.Dataset.from_list(package_records(self.split))
         elif self.name == "humaneval":
             if self.split != "test":
                 raise ValueError("humaneval has only the split 'test' (it is an out-of-distribution test set)")
@@ -101,7 +105,8 @@ class PromptSet:
             ds = datasets.Dataset.from_list(
                 [{"id": str(r.get("id", i)), "source": self.path, "prompt": r["prompt"]} for i, r in enumerate(rows)])
         else:
-            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'instruct', 'humaneval' or 'jsonl'")
+            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'instruct', 'instruct-packages', "
+                             f"'humaneval' or 'jsonl'")
         if self.limit is not None or self.skip:
             stop = len(ds) if self.limit is None else min(len(ds), self.skip + self.limit)
             ds = ds.shuffle(seed=self.seed).select(range(min(self.skip, stop), stop))

@@ -25,6 +25,7 @@ until trained), and `answers` names another run's folder whose stored answers th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -54,6 +55,7 @@ class Recipe:
     grow: str = ""  # an exported draft a new one starts from (its layers first, the further ones adding nothing yet)
     answers: str = ""  # the folder whose stored answers the run reads and adds to (default: out); a target's drafts share them
     prompts: str = "instruct"  # a data_gen.prompts set; its train split is answered, its dev split measured
+    also: list[str] = field(default_factory=list)  # further sets whose train splits are answered (never measured)
     settings: list[dict] = field(default_factory=lambda: [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95},
                                                           {"temperature": 1.0}])
     answers_per_cycle: int = 32
@@ -99,6 +101,9 @@ class Recipe:
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
             raise ValueError(f"recipe field layers lists the target's layers the draft starts from (e.g. [0, 1]), "
                              f"got {self.layers!r}")
+        if not isinstance(self.also, list) or not all(isinstance(x, str) and x for x in self.also):
+            raise ValueError(f"recipe field also lists prompt sets whose train splits the target answers too (e.g. "
+                             f"[instruct-packages]), got {self.also!r}")
         for name in ("grow", "answers"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"recipe field {name} takes a folder path (or nothing), got {getattr(self, name)!r}")
@@ -183,7 +188,9 @@ class Run:
                                      lr=recipe.lr, weight_decay=0.0)
         self.cycle, self.step, self.tokens, self.curve, self.fresh_at = 0, 0, 0, [], 0
         self._resume()
-        self.train_prompts = [(r["id"], r["prompt"]) for r in PromptSet(recipe.prompts, "train").load()]
+        self.train_prompts = [(r["id"], r["prompt"]) for name in [recipe.prompts, *recipe.also]
+                              for r in PromptSet(name, "train").load()]
+        log(f"{len(self.train_prompts):,} train instructions ({', '.join([recipe.prompts, *recipe.also])})")
         random.Random(recipe.seed).shuffle(self.train_prompts)
         kept = ROOT / (recipe.answers or recipe.out)
         self.me = str(Path(recipe.out))  # what the store's rows name the run that answered them by
@@ -288,8 +295,7 @@ class Run:
         old = [x for x in self.answers.rows if x.get("cycle") != self.cycle or x.get("by") != mine]
         loss_sum = 0.0
         self.draft.train()
-        for _ in range(r.steps_per_cycle):
-            pick = [rng.choice(old) if old and rng.random() < r.replay else rng.choice(rows) for _ in range(r.batch)]
+        for pick in batches(rows, old, r, rng):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.step, r, self.fresh_at)
             loss, n = kl_step(self.draft, self.target, pick, self.vocab)
@@ -304,6 +310,14 @@ class Run:
             f"{r.steps_per_cycle} steps (KL {loss_sum / r.steps_per_cycle:.3f}, "
             f"{r.steps_per_cycle * r.batch / (time.time() - t1):.2f} seq/s); {self.tokens:,} tokens seen, "
             f"{len(self.answers.rows)} answers stored")
+
+
+def batches(new: list, old: list, recipe: Recipe, rng: random.Random) -> list[list]:
+    """A cycle's steps_per_cycle batches: each sequence an older answer with probability replay (drawn at random),
+    else the next of the new answers in shuffled rounds, so each is trained on before any is twice."""
+    fresh = itertools.chain.from_iterable(rng.sample(new, len(new)) for _ in itertools.count())
+    return [[rng.choice(old) if old and rng.random() < recipe.replay else next(fresh) for _ in range(recipe.batch)]
+            for _ in range(recipe.steps_per_cycle)]
 
 
 def setting_name(setting: dict) -> str:
