@@ -18,6 +18,7 @@ stdlib holds; what it holds follows the installed versions, so a run stores the 
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 from pathlib import Path
 
@@ -43,10 +44,17 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return f"{node.name}({', '.join(args)})"
 
 
-# the project's own dependencies (pyproject.toml), so wherever it is installed they are; tests and vendored copies left out
+# the project's own dependencies (pyproject.toml), so wherever it is installed they are
 PACKAGES = ("torch", "transformers", "lightning", "jsonargparse", "tokenizers", "datasets", "torchmetrics", "sklearn",
             "safetensors", "matplotlib", "yaml", "tqdm", "numba", "gguf", "accelerate", "numpy")
-_SKIP_PARTS = {"test", "tests", "testing", "_vendor", "vendored", "__pycache__"}
+
+
+def _public(parts: tuple[str, ...]) -> bool:
+    """A package file's path parts (folders, then the file) name public, shipped code: no private folder or module, no
+    tests or test helpers, no vendored copy of another project."""
+    stems = [q.removesuffix(".py") for q in parts]
+    return not any((q.startswith("_") and q != "__init__") or q.startswith("test") or "testing" in q or "vendor" in q
+                   or q in ("externals", "conftest") for q in stems)
 
 
 def stdlib_requests(split: str) -> list[dict]:
@@ -63,14 +71,20 @@ def package_records(split: str = "train") -> list[dict]:
     out, seen = [], set()
     for name in PACKAGES:
         spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
+        if spec is None:
             continue
-        root = Path(next(iter(spec.submodule_search_locations)))
-        files = sorted(p for p in root.rglob("*.py") if not _SKIP_PARTS.intersection(p.relative_to(root).parts))
-        for r in _requests(root.parent, files, "site:"):
-            if r["prompt"] not in seen:  # generated model files repeat their docstrings
-                seen.add(r["prompt"])
-                out.append(r)
+        # a package's folders (a namespace package has several), or a module's one file
+        roots = [Path(p) for p in spec.submodule_search_locations or []]
+        files = [(root.parent, f) for root in roots for f in sorted(root.rglob("*.py"))
+                 if _public(f.relative_to(root.parent).parts)]
+        if not roots and spec.origin and spec.origin.endswith(".py"):
+            files = [(Path(spec.origin).parent, Path(spec.origin))]
+        for top, f in files:
+            for r in _requests(top, [f], "site:"):
+                if r["prompt"] not in seen:  # generated model files repeat their docstrings
+                    seen.add(r["prompt"])
+                    # named by the prompt, not a line: an answer store outlives the installed versions
+                    out.append({**r, "id": f"{r['source']}:{hashlib.sha256(r['prompt'].encode()).hexdigest()[:12]}"})
     return out
 
 

@@ -20,6 +20,7 @@ import datasets
 
 from data_gen.stdlib import SPLITS, read_source, stdlib_files, stdlib_root
 
+NAMES = ("pycode", "instruct", "instruct-packages", "humaneval", "jsonl")  # the sets PromptSet.load knows
 BODY_LINES = 2  # lines of body kept when a function has no docstring
 MAX_PROMPT_LINES = 24  # longer signatures+docstrings are cut here
 
@@ -105,8 +106,7 @@ class PromptSet:
             ds = datasets.Dataset.from_list(
                 [{"id": str(r.get("id", i)), "source": self.path, "prompt": r["prompt"]} for i, r in enumerate(rows)])
         else:
-            raise ValueError(f"unknown prompt set {self.name!r}; choose 'pycode', 'instruct', 'instruct-packages', "
-                             f"'humaneval' or 'jsonl'")
+            raise ValueError(f"unknown prompt set {self.name!r}; choose one of {', '.join(NAMES)}")
         if self.limit is not None or self.skip:
             stop = len(ds) if self.limit is None else min(len(ds), self.skip + self.limit)
             ds = ds.shuffle(seed=self.seed).select(range(min(self.skip, stop), stop))

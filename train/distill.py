@@ -101,9 +101,15 @@ class Recipe:
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers):
             raise ValueError(f"recipe field layers lists the target's layers the draft starts from (e.g. [0, 1]), "
                              f"got {self.layers!r}")
+        from data_gen.prompts import NAMES
+
         if not isinstance(self.also, list) or not all(isinstance(x, str) and x for x in self.also):
             raise ValueError(f"recipe field also lists prompt sets whose train splits the target answers too (e.g. "
                              f"[instruct-packages]), got {self.also!r}")
+        for name in [self.prompts, *self.also]:  # before the target loads, not after
+            if name not in NAMES or name == "jsonl":
+                raise ValueError(f"recipe fields prompts and also name prompt sets ({', '.join(NAMES[:-1])}), got "
+                                 f"{name!r}")
         for name in ("grow", "answers"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"recipe field {name} takes a folder path (or nothing), got {getattr(self, name)!r}")
@@ -188,8 +194,9 @@ class Run:
                                      lr=recipe.lr, weight_decay=0.0)
         self.cycle, self.step, self.tokens, self.curve, self.fresh_at = 0, 0, 0, [], 0
         self._resume()
-        self.train_prompts = [(r["id"], r["prompt"]) for name in [recipe.prompts, *recipe.also]
-                              for r in PromptSet(name, "train").load()]
+        texts = {r["prompt"]: r["id"] for name in reversed([recipe.prompts, *dict.fromkeys(recipe.also)])
+                 for r in PromptSet(name, "train").load()}  # a prompt two sets hold: once, under the first set's id
+        self.train_prompts = [(k, text) for text, k in texts.items()]
         log(f"{len(self.train_prompts):,} train instructions ({', '.join([recipe.prompts, *recipe.also])})")
         random.Random(recipe.seed).shuffle(self.train_prompts)
         kept = ROOT / (recipe.answers or recipe.out)
@@ -315,6 +322,8 @@ class Run:
 def batches(new: list, old: list, recipe: Recipe, rng: random.Random) -> list[list]:
     """A cycle's steps_per_cycle batches: each sequence an older answer with probability replay (drawn at random),
     else the next of the new answers in shuffled rounds, so each is trained on before any is twice."""
+    if not new:
+        raise ValueError("a cycle has no new answers to train on: its chunk of instructions was empty")
     fresh = itertools.chain.from_iterable(rng.sample(new, len(new)) for _ in itertools.count())
     return [[rng.choice(old) if old and rng.random() < recipe.replay else next(fresh) for _ in range(recipe.batch)]
             for _ in range(recipe.steps_per_cycle)]
