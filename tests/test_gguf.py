@@ -208,6 +208,11 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     want = BatchAutoregressive(greedy).generate(prompts(greedy), 10)
     assert [g.tokens for g in BatchDecoder(greedy, FixedK(3), GreedyMatch()).generate(prompts(greedy), 10)] == \
         [w.tokens for w in want]
+    capsys.readouterr()
+    distill.main(["--config", str(recipe), "--measure"])  # held out against trained on; nothing trained or saved
+    log = capsys.readouterr().out
+    assert re.search(r"held-out dev answers \(3\): top-1 0\.\d+, alpha", log) and "greedy train answers (3)" in log
+    assert json.loads((out / "training.json").read_text())["cycle"] == 4
     text = recipe.read_text()
     for change, says in (({"lr_max": 1}, "recipe.yaml: unknown recipe keys \\['lr_max'\\]"),
                          ({"batch": 0}, "batch takes a whole number >= 1"),

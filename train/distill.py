@@ -3,6 +3,7 @@
     nohup python -m train.distill --config configs/distill/smollm2.yaml > distill.log 2>&1 &   # starts or resumes
     python -m train.distill --config configs/distill/smollm2.yaml --cycles 2                   # a short run
     python -m train.distill --config configs/distill/smollm2.yaml --plot                       # the learning curve
+    python -m train.distill --config configs/distill/smollm2.yaml --measure                    # held out vs trained on
 
 Each cycle the target answers a chunk of the recipe's instructions (batched generate(), at the sampling settings
 the heads will serve, cycled), the answers join the store, and the draft trains on the new chunk and a replay of
@@ -274,6 +275,15 @@ class Run:
         export(self.draft, self.out, self.info())
         plot(self.curve, self.out / "curve.png")
 
+    def measure_gap(self) -> None:
+        """The draft on the held-out answers and on a seeded draw of as many greedy answers it trained on."""
+        greedy = [x for x in self.answers.rows if x.get("setting") == setting_name({"temperature": 0.0})]
+        seen = random.Random(self.recipe.seed).sample(greedy, min(len(greedy), len(self.held_out)))
+        for name, rows in (("held-out dev answers", self.held_out), ("greedy train answers", seen)):
+            got = measure(self.draft, self.target, rows, self.vocab)
+            log(f"cycle {self.cycle}, {name} ({len(rows)}): top-1 {got['top1']:.3f}, alpha(T=1) {got['alpha']:.3f} "
+                f"over {got['positions']} positions")
+
     def run_cycle(self) -> None:
         r, t0, mine = self.recipe, time.time(), self.me
         # a cycle killed after its answers were stored trains on them again rather than drawing them twice
@@ -365,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--minutes", type=float, default=0,
                     help="stop after the cycle that passes this many minutes (0: no limit); it is measured and saved")
     ap.add_argument("--plot", action="store_true", help="only draw the learning curve from the exported draft")
+    ap.add_argument("--measure", action="store_true",
+                    help="only measure the draft on the held-out answers and on as many of its own greedy train answers: "
+                         "a gap says it learns its instructions by heart and needs more of them")
     args = ap.parse_args(argv)
     if args.cycles < 0 or not 0 <= args.minutes < float("inf"):
         ap.error(f"--cycles takes a whole number >= 0 and --minutes a finite number >= 0 (0: no limit), got "
@@ -382,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.measure:
+        run.measure_gap()
+        return
     if not run.curve or (run.cycle % run.recipe.eval_every == 0 and run.curve[-1]["cycle"] != run.cycle):
         run.evaluate()  # the first point, or one a run killed between its save and its measure left out
     done, start = 0, time.time()
