@@ -92,12 +92,13 @@ def _requests(root: Path, files: list[Path], prefix: str) -> list[dict]:
     """The coding requests and module questions of some .py files under root, ids prefixed."""
     out = []
     for path in files:
-        rel = prefix + path.relative_to(root).as_posix()
+        local = path.relative_to(root).as_posix()
+        rel = prefix + local
         try:
             tree = ast.parse(read_source(path))
         except SyntaxError:
             continue
-        module = rel.removeprefix(prefix)[:-3].replace("/", ".").removesuffix(".__init__")
+        module = local[:-3].replace("/", ".").removesuffix(".__init__")
         about = _paragraph(ast.get_docstring(tree))
         if about and not module.split(".")[-1].startswith("_"):
             out.append({"id": f"{rel}:module", "source": rel,

@@ -26,6 +26,7 @@ until trained), and `answers` names another run's folder whose stored answers th
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -107,10 +108,10 @@ class Recipe:
         if not isinstance(self.also, list) or not all(isinstance(x, str) and x for x in self.also):
             raise ValueError(f"recipe field also lists prompt sets whose train splits the target answers too (e.g. "
                              f"[instruct-packages]), got {self.also!r}")
+        usable = [n for n in NAMES if n != "jsonl"]  # a jsonl set needs a path a recipe cannot give
         for name in [self.prompts, *self.also]:  # before the target loads, not after
-            if name not in NAMES or name == "jsonl":
-                raise ValueError(f"recipe fields prompts and also name prompt sets ({', '.join(NAMES[:-1])}), got "
-                                 f"{name!r}")
+            if name not in usable:
+                raise ValueError(f"recipe fields prompts and also name prompt sets ({', '.join(usable)}), got {name!r}")
         for name in ("grow", "answers"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"recipe field {name} takes a folder path (or nothing), got {getattr(self, name)!r}")
@@ -195,11 +196,6 @@ class Run:
                                      lr=recipe.lr, weight_decay=0.0)
         self.cycle, self.step, self.tokens, self.curve, self.fresh_at = 0, 0, 0, [], 0
         self._resume()
-        texts = {r["prompt"]: r["id"] for name in reversed([recipe.prompts, *dict.fromkeys(recipe.also)])
-                 for r in PromptSet(name, "train").load()}  # a prompt two sets hold: once, under the first set's id
-        self.train_prompts = [(k, text) for text, k in texts.items()]
-        log(f"{len(self.train_prompts):,} train instructions ({', '.join([recipe.prompts, *recipe.also])})")
-        random.Random(recipe.seed).shuffle(self.train_prompts)
         kept = ROOT / (recipe.answers or recipe.out)
         self.me = str(Path(recipe.out))  # what the store's rows name the run that answered them by
         kept.mkdir(parents=True, exist_ok=True)
@@ -223,6 +219,20 @@ class Run:
         for x in self.dev.rows:
             first.setdefault(x["id"], x)
         self.held_out = [first[k] for k, _ in wanted]
+
+    @functools.cached_property
+    def train_prompts(self) -> list[tuple[str, str]]:
+        """(id, text) of every train instruction, shuffled by the seed; read at the first cycle (parsing the package
+        sets takes most of a minute, which --measure need not wait for)."""
+        from data_gen.prompts import PromptSet
+
+        r = self.recipe
+        texts = {x["prompt"]: x["id"] for name in reversed([r.prompts, *dict.fromkeys(r.also)])
+                 for x in PromptSet(name, "train").load()}  # a prompt two sets hold: once, under the first set's id
+        got = [(k, text) for text, k in texts.items()]
+        log(f"{len(got):,} train instructions ({', '.join([r.prompts, *r.also])})")
+        random.Random(r.seed).shuffle(got)
+        return got
 
     def answered(self, chunk: list[tuple[str, str]], setting: dict, seed: int) -> list[dict]:
         """(id, text) instructions -> stored rows of the target's answers, prompts in the chat template."""
@@ -392,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(recipe.threads)
         torch.manual_seed(recipe.seed)
         run = Run(recipe)
+        if not args.measure:
+            _ = run.train_prompts  # read here, so a set without a train split fails in one line, not mid-run
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
