@@ -2,9 +2,9 @@
 
     python -m decode summary docs/bench/bench.csv                 # print it
     python -m decode summary docs/bench/bench.csv --readme true   # and write it into README.md
-    python -m decode summary docs/bench/smollm2/bench.csv docs/bench/smollm2/humaneval/bench.csv \
-        docs/bench/smollm2/humaneval-sampled/bench.csv \
-        --head checkpoints/smollm2/specdecpp --prev_head checkpoints/smollm2/specdecpp-prev --readme true
+    python -m decode summary docs/bench/smollm2/bench.csv --head checkpoints/smollm2/specdecpp \
+        --prev_head checkpoints/smollm2/specdecpp-prev --readme true   # the smollm2 run, with its heads' AUROC
+    python -m decode summary a/bench.csv b/bench.csv                  # runs of separate prompt sets, joined
 
 One row per prompt set and sampling setting (test split): the target alone's tokens/s, then the speedup over
 it, with its 95% interval, of fixed-K speculative decoding (the K best on test in hindsight and the K chosen on
