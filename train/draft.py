@@ -38,7 +38,8 @@ def make_draft(target, layers: list[int]):
 
 
 def grow(draft, target, folder: Path) -> int:
-    """Start `draft` from a smaller exported draft of the same target: its layers first, its final norm. The further
+    """Start `draft` from an exported draft of the same target, as large or smaller: its layers first, its final norm
+    (as large: the same draft under another recipe, e.g. another run's folder and data). The further
     layers (copied from the target by make_draft) start adding nothing: the last weight of each of their sublayers
     (attention's output projection, the MLP's down projection) is zeroed, so the grown draft computes what the smaller
     one did, checked on a probe; training then only adds. For pre-norm residual layers (every decoder transformers
@@ -58,9 +59,9 @@ def grow(draft, target, folder: Path) -> int:
         raise ValueError(f"recipe field grow: {folder} is not a readable exported draft ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:120]}); export it again or start the draft anew") from None
     n = old.get("num_hidden_layers", 0)
-    if not isinstance(n, int) or not 0 < n < have or old.get("hidden_size") != draft.config.hidden_size:
+    if not isinstance(n, int) or not 0 < n <= have or old.get("hidden_size") != draft.config.hidden_size:
         raise ValueError(f"recipe field grow: {folder} has {n} layers of width {old.get('hidden_size')}; a draft of "
-                         f"{have} layers of width {draft.config.hidden_size} grows from fewer layers of its width")
+                         f"{have} layers of width {draft.config.hidden_size} grows from as many or fewer of its width")
     shape = ("model_type", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
     other = [k for k in shape if k in old and old[k] != getattr(draft.config, k, old[k])]
     if other:
@@ -140,13 +141,14 @@ def _write_gz(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
 
 
-def answer(pair, prompts: list[list[int]], setting: dict, max_new: int, seed: int) -> list[list[int]]:
-    """The target's answers to a batch of prompt ids under a sampling setting, each through its EOS (row i drawing
-    from its own stream, seed + i): the project's batched target-alone loop (decode.batch.BatchAutoregressive)."""
+def answer(pair, prompts: list[list[int]], setting: dict, max_new: int, seed: int,
+           which: str = "target") -> list[list[int]]:
+    """The target's (or the draft's) answers to a batch of prompt ids under a sampling setting, each through its EOS
+    (row i drawing from its own stream, seed + i): the project's batched loop (decode.batch.BatchAutoregressive)."""
     from decode.batch import BatchAutoregressive
 
     sampled = pair.with_sampling(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **setting})
-    return [g.tokens for g in BatchAutoregressive(sampled, seed=seed).generate(prompts, max_new)]
+    return [g.tokens for g in BatchAutoregressive(sampled, which, seed=seed).generate(prompts, max_new)]
 
 
 def teacher_pair(target, tokenizer, spec: ModelSpec, context: int):
