@@ -18,20 +18,16 @@ aside and renamed into place, so a killed run resumes from its last cycle; witho
 resumes from the exported draft and its committed answers with a fresh optimiser. The export holds no tokenizer: a
 draft sharing the target's embeddings reads the target's.
 
-A recipe's `drafted` has the draft answer that many further instructions itself each cycle, those the target
-answered least, and learn the target's distribution on its own text (on policy, as DistillSpec does): a draft
-answers many times faster than its target, so on a CPU this is how it meets thousands of new instructions; those
-answers go stale as it learns and are not stored (configs/distill/smollm2-onpolicy.yaml, answers_per_cycle 0, adds
-none of the target's). A recipe's `grow` starts a new draft from a smaller exported one (its layers first, the
-further ones adding nothing until trained) or continues one as large under another recipe, and `answers` names
-another run's folder whose stored answers this run shares and adds to (configs/distill/smollm2-3l.yaml and
-smollm2-onpolicy.yaml do both). Two runs sharing a store take turns: each rewrites the whole file.
+A recipe's `grow` starts a new draft from a smaller exported one (its layers first, the further ones adding nothing
+until trained), or continues one as large in a folder of its own (a candidate trained apart from the draft a pair's
+heads were trained for), and `answers` names another run's folder whose stored answers this run shares and adds to
+(configs/distill/smollm2-3l.yaml and smollm2-candidate.yaml do both). Two runs sharing a store take turns: each
+rewrites the whole file.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 import json
@@ -66,8 +62,7 @@ class Recipe:
     also: list[str] = field(default_factory=list)  # further sets whose train splits are answered (never measured)
     settings: list[dict] = field(default_factory=lambda: [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.95},
                                                           {"temperature": 1.0}])
-    answers_per_cycle: int = 32  # instructions the target answers each cycle (stored; 0: none, the store replayed)
-    drafted: int = 0  # instructions the draft itself answers each cycle, on policy (trained on, never stored)
+    answers_per_cycle: int = 32
     max_new_tokens: int = 128
     max_prompt_tokens: int = 256
     dev_prompts: int = 48
@@ -96,12 +91,9 @@ class Recipe:
             if f.type in ("float", "int") and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ValueError(f"recipe field {f.name} takes a number, got {v!r}")
         for f in fields(self):
-            least = 1 if f.name not in ("warmup", "seed", "threads", "decay_steps", "answers_per_cycle", "drafted") else 0
+            least = 1 if f.name not in ("warmup", "seed", "threads", "decay_steps") else 0
             if f.type == "int" and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < least):
                 raise ValueError(f"recipe field {f.name} takes a whole number >= {least}, got {getattr(self, f.name)!r}")
-        if not self.answers_per_cycle + self.drafted:
-            raise ValueError("recipe fields answers_per_cycle and drafted are both 0: a cycle needs new answers, the "
-                             "target's or the draft's")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"recipe field out is the folder the draft is exported to, got {self.out!r}")
         if not 0 <= self.replay <= 1 or not 0 < self.lr < float("inf"):
@@ -211,7 +203,7 @@ class Run:
         kept.mkdir(parents=True, exist_ok=True)
         self.answers = Store(kept / "answers-train.jsonl.gz")
         for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
-            x.setdefault("cycle", i // max(1, recipe.answers_per_cycle))
+            x.setdefault("cycle", i // recipe.answers_per_cycle)
             x.setdefault("by", str(Path(recipe.answers or recipe.out)))  # ... or the run that owns the store
             x.setdefault("n", x["cycle"])  # ... or the number of their chunk
         self.dev = Store(kept / "answers-dev.jsonl.gz")
@@ -330,42 +322,15 @@ class Run:
         made = sum(len(x["answer"]) for x in rows)
         return rows, f"{len(rows)} answers ({name}, {made} tokens, {made / (time.time() - t0):.0f} tok/s)"
 
-    def drafted_answers(self) -> tuple[list[dict], str]:
-        """The draft's own answers to this cycle's chunk of the instructions the target answered least, at the
-        cycle's setting: on-policy text (DistillSpec), the contexts the draft meets when it drafts, on which the
-        target's distribution is what it learns. A draft answers many times faster than its target, so on a CPU this
-        is how the draft meets thousands of new instructions; the answers go stale as it learns, so none is stored."""
-        r, t0 = self.recipe, time.time()
-        setting = r.settings[self.cycle % len(r.settings)]
-        times = Counter(x["id"] for x in self.answers.rows)
-        pool = sorted(self.train_prompts, key=lambda t: times[t[0]])  # stable: the run's shuffled order within
-        fresh = [t for t in pool if not times[t[0]]] or pool
-        start = self.cycle * r.drafted % len(fresh)
-        chunk = (fresh[start:] + fresh[:start])[: r.drafted]
-        ids = [encode(self.tokenizer, text, True, r.max_prompt_tokens) for _, text in chunk]
-        seed = r.seed + 1_000_003 + self.cycle * max(1000, r.drafted)  # apart from the target's streams
-        own = dataclasses.replace(self.pair, draft=self.draft)
-        self.draft.eval()
-        got = []
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):  # float32 layers on the shared bfloat16 table
-            for i in range(0, len(ids), r.rows):
-                got += answer(own, ids[i: i + r.rows], setting, r.max_new_tokens, seed + i, which="draft")
-        rows = [{"id": k, "setting": setting_name(setting), "prompt": p, "answer": a}
-                for (k, _), p, a in zip(chunk, ids, got) if a]
-        made = sum(len(x["answer"]) for x in rows)
-        return rows, f"{len(rows)} drafted ({setting_name(setting)}, {made} tokens, {made / (time.time() - t0):.0f} tok/s)"
-
     def run_cycle(self) -> None:
         r = self.recipe
-        rows, how = self.target_answers() if r.answers_per_cycle else ([], "")
-        own, said = self.drafted_answers() if r.drafted else ([], "")
-        how = "; ".join(x for x in (how, said) if x)
+        rows, how = self.target_answers()
         t1 = time.time()
         rng = random.Random(r.seed + self.cycle)
         old = [x for x in self.answers.rows if x.get("cycle") != self.cycle or x.get("by") != self.me]
         loss_sum = 0.0
         self.draft.train()
-        for pick in batches(rows + own, old, r, rng):
+        for pick in batches(rows, old, r, rng):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.step, r, self.fresh_at)
             loss, n = kl_step(self.draft, self.target, pick, self.vocab)

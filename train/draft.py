@@ -141,14 +141,13 @@ def _write_gz(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
 
 
-def answer(pair, prompts: list[list[int]], setting: dict, max_new: int, seed: int,
-           which: str = "target") -> list[list[int]]:
-    """The target's (or the draft's) answers to a batch of prompt ids under a sampling setting, each through its EOS
-    (row i drawing from its own stream, seed + i): the project's batched loop (decode.batch.BatchAutoregressive)."""
+def answer(pair, prompts: list[list[int]], setting: dict, max_new: int, seed: int) -> list[list[int]]:
+    """The target's answers to a batch of prompt ids under a sampling setting, each through its EOS (row i drawing
+    from its own stream, seed + i): the project's batched target-alone loop (decode.batch.BatchAutoregressive)."""
     from decode.batch import BatchAutoregressive
 
     sampled = pair.with_sampling(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **setting})
-    return [g.tokens for g in BatchAutoregressive(sampled, which, seed=seed).generate(prompts, max_new)]
+    return [g.tokens for g in BatchAutoregressive(sampled, seed=seed).generate(prompts, max_new)]
 
 
 def teacher_pair(target, tokenizer, spec: ModelSpec, context: int):
