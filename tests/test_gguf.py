@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from decode import gguf as gguf_mod
@@ -289,26 +290,41 @@ def test_a_grown_draft_starts_as_the_smaller_one_and_shares_its_answers(tmp_path
 
 
 def test_a_candidate_continues_a_draft_in_its_own_folder_and_shares_its_answers(tmp_path, cache, capsys):
+    from safetensors.torch import load_file
+
     from train import distill
 
     target = write_gguf(tmp_path / "target.gguf", layers=2, seed=0)
     small = distill_recipe(tmp_path, target)
     distill.main(["--config", str(small), "--cycles", "2"])
-    before = json.loads((tmp_path / "draft" / "training.json").read_text())
-    weights = (tmp_path / "draft" / "model.safetensors").read_bytes()
+    source = {f.name: f.read_bytes() for f in (tmp_path / "draft").iterdir() if f.is_file() and "answers" not in f.name}
     mine = tmp_path / "candidate.yaml"
     mine.write_text(yaml.safe_dump({**yaml.safe_load(small.read_text()), "out": str(tmp_path / "candidate"),
                                     "grow": str(tmp_path / "draft"), "answers": str(tmp_path / "draft")}))
     capsys.readouterr()
-    distill.main(["--config", str(mine), "--cycles", "1"])
+
+    def killed(*args):  # killed in its first cycle's training, after its cycle-0 export and its answers
+        raise KeyboardInterrupt
+
+    real, distill.kl_step = distill.kl_step, killed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill.main(["--config", str(mine), "--cycles", "1"])
+    finally:
+        distill.kl_step = real
     log = capsys.readouterr().out
     assert "grown from" in log and "its 1 layers (fresh optimiser)" in log and "adding nothing" not in log
+    got, want = load_file(tmp_path / "candidate" / "model.safetensors"), load_file(tmp_path / "draft" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # exactly where it left off
+    distill.main(["--config", str(mine), "--cycles", "1"])  # from its own export, not grown again over it
+    log = capsys.readouterr().out
+    assert "resumed from the exported draft" in log and "grown from" not in log
+    assert "cycle 1: 4 stored answers reused" in log  # the killed cycle's chunk, the store's third (at T = 1)
     info = json.loads((tmp_path / "candidate" / "training.json").read_text())
-    first, last = info["curve"][0], before["curve"][-1]
-    assert first["cycle"] == 0 and abs(first["top1"] - last["top1"]) < 0.1 and abs(first["alpha"] - last["alpha"]) < 0.01
-    assert info["answers"] == 12  # the shared store, four more; the draft it continues is left as it was
-    assert (tmp_path / "draft" / "model.safetensors").read_bytes() == weights
-    assert not (tmp_path / "candidate" / "answers-train.jsonl.gz").exists()
+    assert info["cycle"] == 1 and info["answers"] == 12 and not (tmp_path / "candidate" / "answers-train.jsonl.gz").exists()
+    assert {f.name: f.read_bytes() for f in (tmp_path / "draft").iterdir() if f.name in source} == source  # untouched
+    rows = [json.loads(line) for line in gzip.open(tmp_path / "draft" / "answers-train.jsonl.gz", "rt")]
+    assert [x["setting"] for x in rows[8:]] == ["t1"] * 4  # after the source's greedy and T = 0.7 chunks
 
 
 def test_distillation_learning_rate_warms_up_whenever_the_optimiser_is_fresh_and_decays_to_a_tenth():

@@ -74,8 +74,14 @@ def grow(draft, target, folder: Path) -> int:
         raise ValueError(f"recipe field grow: {folder} does not fit this draft (e.g. {bad[0]}); grow from a draft of "
                          f"the same target")
     small = make_draft(target, list(range(n)))
+    missing = sorted(set(trained_state(small)) - set(weights))
+    if missing:
+        raise ValueError(f"recipe field grow: {folder} lacks weights of a {n}-layer draft (e.g. {missing[0]}); export "
+                         f"it again or start the draft anew")
     small.load_state_dict(weights, strict=False)
     draft.load_state_dict(weights, strict=False)
+    if n == have:  # a continuation: every weight it owns is the export's
+        return n
     with torch.no_grad():
         for layer in draft.model.layers[n:]:
             for part in layer.children():
