@@ -168,6 +168,26 @@ def distill_recipe(tmp_path: Path, target: Path) -> Path:
     return path
 
 
+def run_killed(recipe: Path, owner, name: str, before=None) -> None:
+    """One cycle of train.distill on `recipe`, killed (KeyboardInterrupt) where it calls owner.name; before(real,
+    *args) runs first when given (that call partly done, then the kill). owner.name is restored after."""
+    from train import distill
+
+    real = getattr(owner, name)
+
+    def killed(*args):
+        if before:
+            before(real, *args)
+        raise KeyboardInterrupt
+
+    setattr(owner, name, killed)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill.main(["--config", str(recipe), "--cycles", "1"])
+    finally:
+        setattr(owner, name, real)
+
+
 def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_path, cache, capsys):
     from safetensors.torch import load_file
 
@@ -183,15 +203,7 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     assert not any("embed" in k or "lm_head" in k for k in load_file(out / "model.safetensors"))
     log = capsys.readouterr().out
     assert "cycle 2: 4 answers (t0.7-p0.95" in log and "held-out top-1" in log
-    def killed(*args):  # a run killed in training, after its cycle's answers were stored
-        raise KeyboardInterrupt
-
-    real, distill.kl_step = distill.kl_step, killed
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            distill.main(["--config", str(recipe), "--cycles", "1"])
-    finally:
-        distill.kl_step = real
+    run_killed(recipe, distill, "kl_step")  # a run killed in training, after its cycle's answers were stored
     distill.main(["--config", str(recipe), "--cycles", "1"])  # from the saved state, the stored answers reused
     log = capsys.readouterr().out
     assert "resumed from" in log and "cycle 3: 4 stored answers reused" in log
@@ -303,15 +315,7 @@ def test_a_candidate_continues_a_draft_in_its_own_folder_and_shares_its_answers(
                                     "grow": str(tmp_path / "draft"), "answers": str(tmp_path / "draft")}))
     capsys.readouterr()
 
-    def killed(*args):  # killed in its first cycle's training, after its cycle-0 export and its answers
-        raise KeyboardInterrupt
-
-    real, distill.kl_step = distill.kl_step, killed
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            distill.main(["--config", str(mine), "--cycles", "1"])
-    finally:
-        distill.kl_step = real
+    run_killed(mine, distill, "kl_step")  # killed in its first cycle's training, after its cycle-0 export and answers
     log = capsys.readouterr().out
     assert "grown from" in log and "its 1 layers (fresh optimiser)" in log and "adding nothing" not in log
     got, want = load_file(tmp_path / "candidate" / "model.safetensors"), load_file(tmp_path / "draft" / "model.safetensors")
@@ -344,17 +348,7 @@ def test_a_distillation_killed_between_its_save_and_its_measure_measures_that_cy
 
     recipe = distill_recipe(tmp_path, write_gguf(tmp_path / "target.gguf", layers=2, seed=0))
     distill.main(["--config", str(recipe), "--cycles", "1"])  # cycle 1 saved and measured (the run's last)
-    real = distill.Run.evaluate
-
-    def killed(self):  # cycle 2 (eval_every 2) is saved, then the run dies measuring it
-        raise KeyboardInterrupt
-
-    distill.Run.evaluate = killed
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            distill.main(["--config", str(recipe), "--cycles", "1"])
-    finally:
-        distill.Run.evaluate = real
+    run_killed(recipe, distill.Run, "evaluate")  # cycle 2 (eval_every 2) is saved, then the run dies measuring it
     distill.main(["--config", str(recipe), "--cycles", "1"])
     info = json.loads((tmp_path / "draft" / "training.json").read_text())
     assert [c["cycle"] for c in info["curve"]] == [0, 1, 2, 3]
@@ -366,19 +360,12 @@ def test_a_distillation_killed_inside_its_first_export_starts_again(tmp_path, ca
     from train import distill
 
     recipe = distill_recipe(tmp_path, write_gguf(tmp_path / "target.gguf", layers=2, seed=0))
-    real = distill.export
 
-    def cut(draft, out, info):  # the weights written, the run killed before training.json
+    def cut(real, draft, out, info):  # the weights written, the run killed before training.json
         real(draft, out, info)
         (out / "training.json").unlink()
-        raise KeyboardInterrupt
 
-    distill.export = cut
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            distill.main(["--config", str(recipe), "--cycles", "1"])
-    finally:
-        distill.export = real
+    run_killed(recipe, distill, "export", before=cut)
     distill.main(["--config", str(recipe), "--cycles", "1"])
     assert "a new draft of the target's layers [0]" in capsys.readouterr().out
     assert json.loads((tmp_path / "draft" / "training.json").read_text())["cycle"] == 1

@@ -302,16 +302,16 @@ class Run:
         r, t0, mine = self.recipe, time.time(), self.me
         # a cycle killed after its answers were stored trains on them again rather than drawing them twice
         rows = [x for x in self.answers.rows if x.get("cycle") == self.cycle and x.get("by") == mine]
+        if rows:
+            return rows, f"{len(rows)} stored answers reused"
         # n numbers the chunks of the store, whichever run answered them: a run sharing another's answers takes the
         # next setting and seeds, instead of the same answers again under its own cycle numbers
-        n = rows[0]["n"] if rows else 1 + max((x["n"] for x in self.answers.rows), default=-1)
+        n = 1 + max((x["n"] for x in self.answers.rows), default=-1)
         setting = r.settings[n % len(r.settings)]
         name = setting_name(setting)
         # the instructions answered least often at this setting first (in the run's shuffled order): a greedy answer
         # drawn twice is the same answer, and the store holds thousands from earlier runs and recipes
         times = Counter(x["id"] for x in self.answers.rows if x.get("setting") == name)
-        if rows:
-            return rows, f"{len(rows)} stored answers reused"
         chunk = sorted(self.train_prompts, key=lambda t: times[t[0]])[: r.answers_per_cycle]
         seed = r.seed + n * max(1000, r.answers_per_cycle)  # no two chunks' rows share a stream
         for i in range(0, len(chunk), r.rows):

@@ -78,10 +78,10 @@ def grow(draft, target, folder: Path) -> int:
     if missing:
         raise ValueError(f"recipe field grow: {folder} lacks weights of a {n}-layer draft (e.g. {missing[0]}); export "
                          f"it again or start the draft anew")
-    small.load_state_dict(weights, strict=False)
     draft.load_state_dict(weights, strict=False)
     if n == have:  # a continuation: every weight it owns is the export's
         return n
+    small.load_state_dict(weights, strict=False)  # what the grown draft must still compute, checked below
     with torch.no_grad():
         for layer in draft.model.layers[n:]:
             for part in layer.children():
