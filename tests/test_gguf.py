@@ -215,6 +215,10 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     assert "resumed from the exported draft" in capsys.readouterr().out
     info = json.loads((out / "training.json").read_text())
     assert info["cycle"] == 4 and info["answers"] == 16
+    rows = [json.loads(line) for line in gzip.open(out / "answers-train.jsonl.gz", "rt")]
+    # each chunk new instructions, whatever its setting: none answered again while one has no answer at all
+    assert len({x["id"] for x in rows}) == 16 and [x["setting"] for x in rows[::4]] == ["greedy", "t0.7-p0.95", "t1",
+                                                                                          "greedy"]
     pair = load_pair(pair_yaml(tmp_path, str(target), str(out), embeddings="target"))
     assert pair.draft.get_input_embeddings().weight.data_ptr() == pair.target.get_input_embeddings().weight.data_ptr()
     greedy = dataclasses.replace(pair.with_sampling(temperature=0.0), eos_ids=(-1,))

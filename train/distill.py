@@ -309,10 +309,13 @@ class Run:
         n = 1 + max((x["n"] for x in self.answers.rows), default=-1)
         setting = r.settings[n % len(r.settings)]
         name = setting_name(setting)
-        # the instructions answered least often at this setting first (in the run's shuffled order): a greedy answer
-        # drawn twice is the same answer, and the store holds thousands from earlier runs and recipes
-        times = Counter(x["id"] for x in self.answers.rows if x.get("setting") == name)
-        chunk = sorted(self.train_prompts, key=lambda t: times[t[0]])[: r.answers_per_cycle]
+        # the instructions answered least often at any setting first, then at this one (in the run's shuffled order):
+        # the draft learns instructions by heart (it agrees with the target more on its train answers than on
+        # held-out ones), and an instruction's answers at three settings share much of their text, so new
+        # instructions teach more than new settings of old ones; a greedy answer drawn twice is the same answer
+        anywhere = Counter(x["id"] for x in self.answers.rows)
+        here = Counter(x["id"] for x in self.answers.rows if x.get("setting") == name)
+        chunk = sorted(self.train_prompts, key=lambda t: (anywhere[t[0]], here[t[0]]))[: r.answers_per_cycle]
         seed = r.seed + n * max(1000, r.answers_per_cycle)  # no two chunks' rows share a stream
         for i in range(0, len(chunk), r.rows):
             rows += self.answered(chunk[i: i + r.rows], setting, seed + i)
