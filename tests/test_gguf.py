@@ -335,6 +335,23 @@ def test_a_candidate_continues_a_draft_in_its_own_folder_and_shares_its_answers(
     assert [x["setting"] for x in rows[8:]] == ["t1"] * 4  # after the source's greedy and T = 0.7 chunks
 
 
+def test_a_chunk_draws_unanswered_instructions_first_and_never_a_second_greedy_answer_while_one_lacks_its_first():
+    from train.distill import least_answered
+
+    prompts = [(k, f"text {k}") for k in "abcdef"]
+
+    def row(k, setting):
+        return {"id": k, "setting": setting}
+
+    rows = [row("a", "greedy"), row("b", "t1"), row("c", "t0.7-p0.95")]
+    assert [k for k, _ in least_answered(prompts, rows, "t1", 3)] == ["d", "e", "f"]  # none answered again yet
+    rows += [row(k, "t1") for k in "def"] + [row("b", "t0.7-p0.95"), row("c", "t0.7-p0.95")]
+    # a, d, e, f have one answer, b and c two, none of them greedy but a's: b and c come before a second answer of a
+    assert [k for k, _ in least_answered(prompts, rows, "greedy", 6)] == ["d", "e", "f", "b", "c", "a"]
+    # sampled answers drawn again differ: the least answered anywhere first, then the least at this setting
+    assert [k for k, _ in least_answered(prompts, rows, "t1", 6)] == ["a", "d", "e", "f", "c", "b"]
+
+
 def test_distillation_learning_rate_warms_up_whenever_the_optimiser_is_fresh_and_decays_to_a_tenth():
     from train.distill import Recipe, lr_at
 

@@ -309,13 +309,7 @@ class Run:
         n = 1 + max((x["n"] for x in self.answers.rows), default=-1)
         setting = r.settings[n % len(r.settings)]
         name = setting_name(setting)
-        # the instructions answered least often at any setting first, then at this one (in the run's shuffled order):
-        # the draft learns instructions by heart (it agrees with the target more on its train answers than on
-        # held-out ones), and an instruction's answers at three settings share much of their text, so new
-        # instructions teach more than new settings of old ones; a greedy answer drawn twice is the same answer
-        anywhere = Counter(x["id"] for x in self.answers.rows)
-        here = Counter(x["id"] for x in self.answers.rows if x.get("setting") == name)
-        chunk = sorted(self.train_prompts, key=lambda t: (anywhere[t[0]], here[t[0]]))[: r.answers_per_cycle]
+        chunk = least_answered(self.train_prompts, self.answers.rows, name, r.answers_per_cycle)
         seed = r.seed + n * max(1000, r.answers_per_cycle)  # no two chunks' rows share a stream
         for i in range(0, len(chunk), r.rows):
             rows += self.answered(chunk[i: i + r.rows], setting, seed + i)
@@ -348,6 +342,18 @@ class Run:
             f"{r.steps_per_cycle} steps (KL {loss_sum / r.steps_per_cycle:.3f}, "
             f"{r.steps_per_cycle * r.batch / (time.time() - t1):.2f} seq/s); {self.tokens:,} tokens seen, "
             f"{len(self.answers.rows)} answers stored")
+
+
+def least_answered(prompts: list[tuple[str, str]], rows: list[dict], setting: str, k: int) -> list[tuple[str, str]]:
+    """The k (id, text) instructions a chunk at `setting` answers next, in the order of `prompts`: those least often
+    answered at any setting first, then at this one. The draft learns instructions by heart (it agrees with the target
+    more on its train answers than on held-out ones) and an instruction's answers at three settings share much of
+    their text, so new instructions teach more than new settings of old ones. A greedy answer drawn twice is the same
+    answer: greedy takes an instruction it has answered only when every one has its greedy answer."""
+    anywhere = Counter(x["id"] for x in rows)
+    here = Counter(x["id"] for x in rows if x.get("setting") == setting)
+    again = setting == setting_name({"temperature": 0.0})
+    return sorted(prompts, key=lambda t: (again and here[t[0]] > 0, anywhere[t[0]], here[t[0]]))[:k]
 
 
 def batches(new: list, old: list, recipe: Recipe, rng: random.Random) -> list[list]:
