@@ -80,18 +80,23 @@ class ModelSpec:
     """Where one model lives and how to place it. path: a hub id, a local folder, a local .gguf file, or a file in a
     pinned package (pip:PACKAGE==VERSION/PATH.gguf, decode.gguf). embeddings: "own", or "target" for a draft whose
     folder holds every weight but the input embeddings (and the output layer tied to them), which it shares with the
-    target at load time, so a distilled draft ships without a copy of the target's vocabulary matrix."""
+    target at load time, so a distilled draft ships without a copy of the target's vocabulary matrix. head_tokens: a
+    draft's file of the token ids its output layer scores, every other token probability 0 (decode.cut)."""
 
     path: str
     dtype: str = "float32"
     device_map: str | None = None  # e.g. "auto" to shard a large target over GPUs
     revision: str | None = None
     embeddings: str = "own"
+    head_tokens: str = ""  # relative to the repository root, like path
 
     def __post_init__(self):
         if self.embeddings not in ("own", "target"):
             raise ValueError(f"a model's embeddings are 'own' or 'target' (shared with the target), got "
                              f"{self.embeddings!r}")
+        if not isinstance(self.head_tokens, str):
+            raise ValueError(f"a model's head_tokens is a file of token ids (python -m train.distill --head-tokens N "
+                             f"writes one), got {self.head_tokens!r}")
         if not isinstance(getattr(torch, str(self.dtype), None), torch.dtype):
             raise ValueError(f"a model's dtype is a torch dtype name (float32, bfloat16, float16), got {self.dtype!r}")
 
@@ -312,6 +317,10 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=
         )
     if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
         model.to(device)
+    if spec.head_tokens:
+        from decode.cut import cut_head, read_tokens
+
+        cut_head(model, read_tokens(ROOT / spec.head_tokens, model.get_output_embeddings().weight.shape[0]))
     model.eval().requires_grad_(False)
     # Decoding feeds one sequence unpadded, or a padded batch with its mask (decode.cache.rows): a lone EOS token fed
     # to a model whose pad id is the EOS id is not padding, and transformers' "we strongly recommend passing an
@@ -379,6 +388,9 @@ def load_pair(config: PairConfig | str | Path, device: torch.device | str | None
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.target.embeddings != "own":
         raise ValueError("the target's embeddings are its own: embeddings: target is for a draft that shares them")
+    if cfg.target.head_tokens:
+        raise ValueError("the target scores every token: head_tokens is for a draft (a cut target would change the "
+                         "law its speculative decoding keeps)")
     target = load_model(cfg.target, device)
     draft = load_model(cfg.draft, device, donor=target)
     for name, m in (("draft", draft), ("target", target)):

@@ -4,6 +4,7 @@ cache of `--prefix` tokens, in every dtype asked for.
     python -m train.precision --pair configs/pairs/smollm2.yaml
     python -m train.precision --pair configs/pairs/smollm2.yaml --dtypes float32 bfloat16 --tokens 1 4 16 64
     python -m train.precision --pair configs/pairs/smollm2.yaml --draft checkpoints/smollm2-draft-3l --dtypes bfloat16
+    python -m train.precision --pair configs/pairs/smollm2.yaml --dtypes bfloat16 --head-tokens DRAFT/head-8192.json
 
 CPUs differ: with AMX or AVX-512 bf16 a bfloat16 matmul is fast, elsewhere slow, so a pair's dtypes are chosen here
 and not assumed. Prints a table (median ms of `--repeats` forwards by dtype and tokens), each model's fastest
@@ -57,12 +58,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft", default=None,
                     help="another draft folder in the pair's place (its embeddings as the pair's draft's), e.g. one "
                          "being distilled")
+    ap.add_argument("--head-tokens", default=None, metavar="FILE",
+                    help="the draft's output layer cut to this file's tokens (decode.cut) in place of the pair's "
+                         "head_tokens; '' for the full layer")
     args = ap.parse_args(argv)
     try:
         cfg = PairConfig.from_yaml(args.pair)
         if args.draft:
             cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, path=args.draft))
             cfg.draft.resolved()  # a folder that is not a model says so here
+        if args.head_tokens is not None:
+            cfg = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, head_tokens=args.head_tokens))
         bad = [d for d in args.dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
         if bad:
             raise ValueError(f"--dtypes takes torch dtype names (float32, bfloat16, float16), got {bad}")
@@ -72,8 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     tokens = sorted({1, *args.tokens})
     table: dict[tuple[str, str], dict[int, float]] = {}
     for dtype in args.dtypes:
-        target = load_model(dataclasses.replace(cfg.target, dtype=dtype))
-        draft = load_model(dataclasses.replace(cfg.draft, dtype=dtype), donor=target)
+        try:
+            target = load_model(dataclasses.replace(cfg.target, dtype=dtype))
+            draft = load_model(dataclasses.replace(cfg.draft, dtype=dtype), donor=target)
+        except ValueError as e:  # a draft that does not fit its target, a bad head_tokens file
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            raise SystemExit(2) from None
         for role, model in (("draft", draft), ("target", target)):
             table[role, dtype] = forward_ms(model, args.prefix, tokens, args.repeats)
             print(f"{role} {dtype}: " + ", ".join(f"{n}: {ms:.1f}" for n, ms in table[role, dtype].items()) + " ms",
