@@ -230,6 +230,13 @@ def test_distillation_resumes_and_its_draft_shares_the_targets_embeddings(tmp_pa
     log = capsys.readouterr().out
     assert re.search(r"held-out dev answers \(3\): top-1 0\.\d+, alpha", log) and "greedy train answers (3)" in log
     assert json.loads((out / "training.json").read_text())["cycle"] == 4
+    distill.main(["--config", str(recipe), "--head-tokens", "40"])  # a cut output layer from the stored answers
+    log = capsys.readouterr().out
+    head = json.loads((out / "head-40.json").read_text())
+    assert len(head["tokens"]) == 40 and head["tokens"][0] == 2 and 0 < head["covered"] <= 1  # EOS kept, first
+    assert re.search(r"full output layer: top-1 0\.\d+", log) and re.search(r"cut to 40 tokens: top-1 0\.\d+", log)
+    cut = load_pair(pair_yaml(tmp_path, str(target), str(out), embeddings="target", head_tokens=str(out / "head-40.json")))
+    assert type(cut.draft.get_output_embeddings()).__name__ == "CutHead"
     text = recipe.read_text()
     for change, says in (({"lr_max": 1}, "recipe.yaml: unknown recipe keys \\['lr_max'\\]"),
                          ({"batch": 0}, "batch takes a whole number >= 1"),
@@ -333,6 +340,10 @@ def test_a_candidate_continues_a_draft_in_its_own_folder_and_shares_its_answers(
     assert {f.name: f.read_bytes() for f in (tmp_path / "draft").iterdir() if f.name in source} == source  # untouched
     rows = [json.loads(line) for line in gzip.open(tmp_path / "draft" / "answers-train.jsonl.gz", "rt")]
     assert [x["setting"] for x in rows[8:]] == ["t1"] * 4  # after the source's greedy and T = 0.7 chunks
+    shutil.rmtree(tmp_path / "candidate")  # begun anew in the same folder, the killed run's answers in the store
+    distill.main(["--config", str(mine), "--cycles", "1"])
+    log = capsys.readouterr().out  # its own cycle 1 is new answers, not the earlier run's cycle-1 chunk
+    assert "grown from" in log and "cycle 1: 4 answers (greedy" in log and "reused" not in log
 
 
 def test_a_chunk_draws_unanswered_instructions_first_and_never_a_second_greedy_answer_while_one_lacks_its_first():

@@ -4,6 +4,7 @@
     python -m train.distill --config configs/distill/smollm2.yaml --cycles 2                   # a short run
     python -m train.distill --config configs/distill/smollm2.yaml --plot                       # the learning curve
     python -m train.distill --config configs/distill/smollm2.yaml --measure                    # held out vs trained on
+    python -m train.distill --config configs/distill/smollm2.yaml --head-tokens 16384          # a cut output layer
 
 Each cycle the target answers a chunk of the recipe's instructions (batched generate(), at the sampling settings
 the heads will serve, cycled), the answers join the store, and the draft trains on the new chunk and a replay of
@@ -38,6 +39,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -197,9 +199,13 @@ class Run:
         self.opt = torch.optim.AdamW([p for n, p in self.draft.named_parameters() if n in self.draft.draft_weights],
                                      lr=recipe.lr, weight_decay=0.0)
         self.cycle, self.step, self.tokens, self.curve, self.fresh_at = 0, 0, 0, [], 0
+        # a run begun anew takes a name of its own: a store can hold answers an earlier run in the same folder
+        # stored under the same cycle numbers, and this run must not take them for its killed cycles' ones
+        self.run = datetime.now().isoformat(timespec="microseconds")
         self._resume()
         kept = ROOT / (recipe.answers or recipe.out)
-        self.me = str(Path(recipe.out))  # what the store's rows name the run that answered them by
+        # what the store's rows name the run that answered them by (runs begun before runs had names: the folder)
+        self.me = str(Path(recipe.out)) + (f"@{self.run}" if self.run else "")
         kept.mkdir(parents=True, exist_ok=True)
         self.answers = Store(kept / "answers-train.jsonl.gz")
         for i, x in enumerate(self.answers.rows):  # rows stored before they carried their cycle: answers_per_cycle each
@@ -253,14 +259,14 @@ class Run:
             self.draft.load_state_dict(got["draft"], strict=False)
             self.opt.load_state_dict(got["opt"])
             self.cycle, self.step, self.tokens, self.curve = got["cycle"], got["step"], got["tokens"], got["curve"]
-            self.fresh_at = got.get("fresh_at", 0)
+            self.fresh_at, self.run = got.get("fresh_at", 0), got.get("run", "")
             log(f"resumed from {state}: cycle {self.cycle}, {self.tokens:,} tokens seen")
         # (a run killed between the two files of its first export has no training.json: it starts again)
         elif exported.exists() and (self.out / "training.json").exists():
             self.draft.load_state_dict({k: v.float() for k, v in load_file(exported).items()}, strict=False)
             info = json.loads((self.out / "training.json").read_text())
             self.cycle, self.step, self.tokens, self.curve = info["cycle"], info["step"], info["tokens"], info["curve"]
-            self.fresh_at = self.step
+            self.fresh_at, self.run = self.step, info.get("run", "")
             log(f"resumed from the exported draft {exported} (fresh optimiser): cycle {self.cycle}, "
                 f"{self.tokens:,} tokens seen")
         elif self.recipe.grow:
@@ -272,12 +278,13 @@ class Run:
             log(f"a new draft of the target's layers {self.recipe.layers}")
 
     def info(self) -> dict:
-        return {"recipe": asdict(self.recipe), "cycle": self.cycle, "step": self.step, "tokens": self.tokens,
-                "answers": len(self.answers.rows), "curve": self.curve}
+        return {"recipe": asdict(self.recipe), "run": self.run, "cycle": self.cycle, "step": self.step,
+                "tokens": self.tokens, "answers": len(self.answers.rows), "curve": self.curve}
 
     def save(self) -> None:
         state = {"draft": trained_state(self.draft), "opt": self.opt.state_dict(), "cycle": self.cycle,
-                 "step": self.step, "tokens": self.tokens, "curve": self.curve, "fresh_at": self.fresh_at}
+                 "step": self.step, "tokens": self.tokens, "curve": self.curve, "fresh_at": self.fresh_at,
+                 "run": self.run}
         write_atomic(self.state_dir / "state.pt", lambda p: torch.save(state, p))
 
     def evaluate(self) -> None:
@@ -296,6 +303,26 @@ class Run:
             got = measure(self.draft, self.target, rows, self.vocab)
             log(f"cycle {self.cycle}, {name} ({len(rows)}): top-1 {got['top1']:.3f}, alpha(T=1) {got['alpha']:.3f} "
                 f"over {got['positions']} positions")
+
+    def cut(self, top: int) -> None:
+        """Write OUT/head-TOP.json, the `top` tokens the target's stored train answers use most (and its EOS), and
+        measure the draft on the held-out answers with its output layer cut to them, beside the full one."""
+        from decode.cut import cut_head, rank_tokens
+        from decode.pair import eos_ids
+
+        got = rank_tokens([x["answer"] for x in self.answers.rows], top, eos_ids(self.target, self.tokenizer))
+        path = self.out / f"head-{top}.json"
+        write_atomic(path, lambda p: p.write_text(json.dumps(
+            {**got, "from": f"{len(self.answers.rows):,} train answers in {shown(self.answers.path)}"})
+            + "\n"))
+        log(f"{shown(path)}: {len(got['tokens']):,} of the {got['distinct']:,} tokens the target's "
+            f"{got['positions']:,} answer positions use, covering {got['covered']:.4f} of them")
+        full = measure(self.draft, self.target, self.held_out, self.vocab)
+        cut_head(self.draft, torch.tensor(got["tokens"], device=self.device))
+        for name, m in (("full output layer", full), (f"cut to {top:,} tokens", measure(self.draft, self.target,
+                                                                                          self.held_out, self.vocab))):
+            log(f"cycle {self.cycle}, held-out dev answers, {name}: top-1 {m['top1']:.3f}, alpha(T=1) {m['alpha']:.3f} "
+                f"over {m['positions']} positions")
 
     def target_answers(self) -> tuple[list[dict], str]:
         """This cycle's chunk of the target's answers (stored, so a killed cycle reuses them) and what it cost."""
@@ -342,6 +369,11 @@ class Run:
             f"{r.steps_per_cycle} steps (KL {loss_sum / r.steps_per_cycle:.3f}, "
             f"{r.steps_per_cycle * r.batch / (time.time() - t1):.2f} seq/s); {self.tokens:,} tokens seen, "
             f"{len(self.answers.rows)} answers stored")
+
+
+def shown(path: Path) -> str:
+    """A path as the repository's configs name it: relative to its root where it lies inside."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def least_answered(prompts: list[tuple[str, str]], rows: list[dict], setting: str, k: int) -> list[tuple[str, str]]:
@@ -405,7 +437,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--measure", action="store_true",
                     help="only measure the draft on the held-out answers and on as many of its own greedy train answers: "
                          "a gap says it learns its instructions by heart and needs more of them")
+    ap.add_argument("--head-tokens", type=int, default=0, metavar="N",
+                    help="only write OUT/head-N.json, the N tokens the target's stored answers use most (a pair's "
+                         "draft spec names it as head_tokens, decode.cut), and measure the draft cut to them")
     args = ap.parse_args(argv)
+    if args.head_tokens < 0:
+        ap.error(f"--head-tokens takes a number of tokens >= 1, got {args.head_tokens}")
     if args.cycles < 0 or not 0 <= args.minutes < float("inf"):
         ap.error(f"--cycles takes a whole number >= 0 and --minutes a finite number >= 0 (0: no limit), got "
                  f"{args.cycles} and {args.minutes}")
@@ -419,13 +456,14 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(recipe.threads)
         torch.manual_seed(recipe.seed)
         run = Run(recipe)
-        if not args.measure:
+        if not (args.measure or args.head_tokens):
             _ = run.train_prompts  # read here, so a set without a train split fails in one line, not mid-run
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
-    if args.measure:
-        run.measure_gap()
+    if args.measure or args.head_tokens:
+        run.measure_gap() if args.measure else None
+        run.cut(args.head_tokens) if args.head_tokens else None
         return
     if not run.curve or (run.cycle % run.recipe.eval_every == 0 and run.curve[-1]["cycle"] != run.cycle):
         run.evaluate()  # the first point, or one a run killed between its save and its measure left out
