@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     own = (cfg.draft.dtype, cfg.target.dtype)
     if all((role, d) in table for role, d in zip(("draft", "target"), own)):
         d, t = table["draft", own[0]][1], table["target", own[1]]
+        verifies = "; verifies of " + ", ".join(f"{n}: {t[n] / t[1]:.2f}x" for n in tokens[1:]) + " one"
         print(f"in the pair's own dtypes (draft {own[0]}, target {own[1]}): a draft step costs {d / t[1]:.3f} of a "
-              f"target step; verifies of " + ", ".join(f"{n}: {t[n] / t[1]:.2f}x" for n in tokens[1:]) + " one")
+              f"target step" + (verifies if tokens[1:] else ""))
 
 
 if __name__ == "__main__":
