@@ -95,3 +95,21 @@ def test_ranked_tokens_keep_eos_first_then_the_most_frequent_and_say_what_they_c
     assert got["tokens"] == [2, 5, 7] and got["positions"] == 8 and got["distinct"] == 4
     assert got["covered"] == pytest.approx(7 / 8)
     assert re.fullmatch(r"[\d.]+", str(got["covered"]))
+
+
+def test_hf_assisted_generation_with_a_cut_draft_matches_the_target_or_is_refused_in_one_line(tmp_path):
+    from decode.hf import hf_generate
+
+    for pad_rows in (0, 8):  # equal embedding sizes; unequal ones (transformers' two-tokenizer path)
+        root = tmp_path / str(pad_rows)
+        root.mkdir()
+        greedy = load_pair(with_cut(write_tiny_pair(root, pad_rows=pad_rows), list(range(3, 12)))).with_sampling(
+            temperature=0.0)
+        want = hf_generate(greedy, [5, 6, 7, 8, 9], 16, {}, 0, stop_at_eos=False)[0]
+        for hf in ({"k": 3}, {"confidence": 0.4}):
+            if pad_rows:
+                with pytest.raises(ValueError, match="head_tokens .* two-tokenizer assisted path") as e:
+                    hf_generate(greedy, [5, 6, 7, 8, 9], 16, hf, 0, stop_at_eos=False)
+                assert "\n" not in str(e.value)
+            else:
+                assert hf_generate(greedy, [5, 6, 7, 8, 9], 16, hf, 0, stop_at_eos=False)[0] == want
