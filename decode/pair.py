@@ -264,6 +264,9 @@ def weights_digest(model, per_tensor: int = 16) -> str:
         idx = (torch.arange(n, device=flat.device) * (flat.numel() - 1)) // max(n - 1, 1)  # in integers: exact
         h.update(f"{name}{tuple(w.shape)}".encode())
         h.update(flat[idx].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(getattr(head, "ids", None), torch.Tensor):  # a cut output layer (decode.cut): every id it scores,
+        h.update(head.ids.cpu().numpy().tobytes())  # since two cuts can share the few rows sampled above
     return h.hexdigest()[:12]
 
 

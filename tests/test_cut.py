@@ -6,6 +6,7 @@ weights digest is not the full draft's; a bad file or a cut target gets one line
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,9 @@ def test_a_cut_layer_scores_its_tokens_as_the_full_one_and_gives_the_rest_nothin
     out[ids] = False
     assert torch.allclose(a[..., ids], b[..., ids]) and torch.isneginf(b[..., out]).all()
     assert cut.identity("draft")["weights"] != full.identity("draft")["weights"]  # heads of the full draft refuse it
+    swapped = ids[:-1] + [next(t for t in range(full.vocab) if t not in ids)]  # (rewrites the fixture's file: loaded)
+    other = load_pair(with_cut(Path(cut.config.draft.head_tokens).parent / "pair.yaml", swapped))
+    assert other.identity("draft")["weights"] != cut.identity("draft")["weights"]  # one id apart: another draft
 
 
 def test_a_cut_draft_decodes_greedily_as_the_target_and_keeps_its_law(pairs):
