@@ -223,13 +223,13 @@ def hf_generate(pair: Pair, ids: list[int], n: int, hf: dict, seed: int, assista
             gc.num_assistant_tokens_schedule = "constant"
             gc.assistant_confidence_threshold = hf.get("confidence", 0.0)
             kwargs["assistant_model"] = assistant_of(pair.draft)
-        if pair.draft.config.vocab_size != pair.target.config.vocab_size and pair.config.draft.head_tokens:
-            raise ValueError(f"a draft cut to head_tokens ({pair.config.draft.head_tokens}) with embedding sizes "
-                             f"unlike its target's goes through transformers' two-tokenizer assisted path, which "
-                             f"fails on it: drop head_tokens or the kind: hf methods for this pair")
         if pair.draft.config.vocab_size != pair.target.config.vocab_size:
             # transformers takes unequal embedding sizes for two tokenizers: its universal assisted decoding maps
             # the (here identical) tokens across, which is exact under greedy decoding
+            if pair.config.draft.head_tokens:
+                raise ValueError(f"a draft cut to head_tokens ({pair.config.draft.head_tokens}) with embedding sizes "
+                                 f"unlike its target's goes through transformers' two-tokenizer assisted path, which "
+                                 f"fails on it: drop head_tokens or the kind: hf methods for this pair")
             kwargs |= {"tokenizer": pair.tokenizer, "assistant_tokenizer": pair.tokenizer}
     stop = getattr(kwargs.get("assistant_model"), "specdecpp_stop", None)
     head_before = stop.head_s if stop else 0.0

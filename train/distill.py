@@ -44,8 +44,9 @@ from pathlib import Path
 
 import torch
 
+from decode.cut import cut_head, rank_tokens
 from decode.evaluation.report import write_atomic
-from decode.pair import ROOT, ModelSpec, load_model, read_yaml
+from decode.pair import ROOT, ModelSpec, eos_ids, load_model, read_yaml
 from decode.prompting import encode
 from train.draft import Store, answer, export, grow, kl_step, make_draft, measure, teacher_pair, trained_state
 
@@ -300,16 +301,15 @@ class Run:
         greedy = [x for x in self.answers.rows if x.get("setting") == setting_name({"temperature": 0.0})]
         seen = random.Random(self.recipe.seed).sample(greedy, min(len(greedy), len(self.held_out)))
         for name, rows in (("held-out dev answers", self.held_out), ("greedy train answers", seen)):
-            got = measure(self.draft, self.target, rows, self.vocab)
-            log(f"cycle {self.cycle}, {name} ({len(rows)}): top-1 {got['top1']:.3f}, alpha(T=1) {got['alpha']:.3f} "
-                f"over {got['positions']} positions")
+            self.log_measured(f"{name} ({len(rows)})", measure(self.draft, self.target, rows, self.vocab))
+
+    def log_measured(self, what: str, got: dict) -> None:
+        log(f"cycle {self.cycle}, {what}: top-1 {got['top1']:.3f}, alpha(T=1) {got['alpha']:.3f} over "
+            f"{got['positions']} positions")
 
     def cut(self, top: int) -> None:
         """Write OUT/head-TOP.json, the `top` tokens the target's stored train answers use most (and its EOS), and
         measure the draft on the held-out answers with its output layer cut to them, beside the full one."""
-        from decode.cut import cut_head, rank_tokens
-        from decode.pair import eos_ids
-
         got = rank_tokens([x["answer"] for x in self.answers.rows], top, eos_ids(self.target, self.tokenizer))
         path = self.out / f"head-{top}.json"
         write_atomic(path, lambda p: p.write_text(json.dumps(
@@ -317,12 +317,11 @@ class Run:
             + "\n"))
         log(f"{shown(path)}: {len(got['tokens']):,} of the {got['distinct']:,} tokens the target's "
             f"{got['positions']:,} answer positions use, covering {got['covered']:.4f} of them")
-        full = measure(self.draft, self.target, self.held_out, self.vocab)
+        self.log_measured("held-out dev answers, full output layer",
+                          measure(self.draft, self.target, self.held_out, self.vocab))
         cut_head(self.draft, torch.tensor(got["tokens"], device=self.device))
-        for name, m in (("full output layer", full), (f"cut to {top:,} tokens", measure(self.draft, self.target,
-                                                                                          self.held_out, self.vocab))):
-            log(f"cycle {self.cycle}, held-out dev answers, {name}: top-1 {m['top1']:.3f}, alpha(T=1) {m['alpha']:.3f} "
-                f"over {m['positions']} positions")
+        self.log_measured(f"held-out dev answers, cut to {top:,} tokens",
+                          measure(self.draft, self.target, self.held_out, self.vocab))
 
     def target_answers(self) -> tuple[list[dict], str]:
         """This cycle's chunk of the target's answers (stored, so a killed cycle reuses them) and what it cost."""
@@ -461,9 +460,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.measure:
+        run.measure_gap()
+    if args.head_tokens:
+        run.cut(args.head_tokens)
     if args.measure or args.head_tokens:
-        run.measure_gap() if args.measure else None
-        run.cut(args.head_tokens) if args.head_tokens else None
         return
     if not run.curve or (run.cycle % run.recipe.eval_every == 0 and run.curve[-1]["cycle"] != run.cycle):
         run.evaluate()  # the first point, or one a run killed between its save and its measure left out

@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="the draft's output layer cut to this file's tokens (decode.cut) in place of the pair's "
                          "head_tokens; '' for the full layer")
     args = ap.parse_args(argv)
+
+    def fail(e: Exception):
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+
     try:
         cfg = PairConfig.from_yaml(args.pair)
         if args.draft:
@@ -73,8 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         if bad:
             raise ValueError(f"--dtypes takes torch dtype names (float32, bfloat16, float16), got {bad}")
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(e)
     tokens = sorted({1, *args.tokens})
     table: dict[tuple[str, str], dict[int, float]] = {}
     for dtype in args.dtypes:
@@ -82,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             target = load_model(dataclasses.replace(cfg.target, dtype=dtype))
             draft = load_model(dataclasses.replace(cfg.draft, dtype=dtype), donor=target)
         except ValueError as e:  # a draft that does not fit its target, a bad head_tokens file
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-            raise SystemExit(2) from None
+            fail(e)
         for role, model in (("draft", draft), ("target", target)):
             table[role, dtype] = forward_ms(model, args.prefix, tokens, args.repeats)
             print(f"{role} {dtype}: " + ", ".join(f"{n}: {ms:.1f}" for n, ms in table[role, dtype].items()) + " ms",
