@@ -215,8 +215,17 @@ def softmax_scalars_rows(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_width(features: int, extras: int, params: tuple) -> None:
+    """Raise ValueError unless H state features and E extras are the D a head's folded parameters read: the compiled
+    kernels index without bounds checks, so a state of another width would write past their buffers."""
+    if features + extras != params[0].shape[0]:
+        raise ValueError(f"the head reads {params[0].shape[0]} features, got a state of {features} and {extras} "
+                         "extras: it was trained on another draft (its config.json names the draft it reads)")
+
+
 def mlp_prob(hidden: np.ndarray, extras: np.ndarray, params: tuple) -> float:
     """(H,) and (E,) float32 features and AcceptanceHead.inference_fn's folded parameters -> the probability."""
+    check_width(hidden.shape[-1], extras.shape[0], params)
     return _mlp_prob(hidden, extras, *params)
 
 
@@ -226,6 +235,9 @@ def head_step(logits: np.ndarray | None, token: int, hidden: np.ndarray, run: in
     candidate, (H,) state, the accepted run before it and the extras' codes -> (probability, confidence,
     entropy, top-1)."""
     v = 0 if logits is None else logits.shape[0]
+    check_width(hidden.shape[-1], codes.shape[0], params)
+    if v and not 0 <= token < v:
+        raise ValueError(f"candidate token {token} is outside the draft's {v} logits")
     return _head_step_k(_NONE if logits is None else logits, token, hidden, run, codes, _work(v), *params)
 
 
@@ -235,6 +247,12 @@ def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray,
     (4, R) float64 rows of probability, confidence, entropy and top-1."""
     out = np.empty((4, hidden.shape[0]))
     v = 0 if logits is None else logits.shape[-1]
+    check_width(hidden.shape[-1], codes.shape[0], params)
+    if not len(tokens) == len(runs) == hidden.shape[0] == (hidden.shape[0] if logits is None else logits.shape[0]):
+        raise ValueError(f"head_rows needs one token, run and logits row per state row, got {len(tokens)} tokens, "
+                         f"{len(runs)} runs, {hidden.shape[0]} states and {'no' if logits is None else logits.shape[0]} logits rows")
+    if v and len(tokens) and not (0 <= tokens.min() and tokens.max() < v):
+        raise ValueError(f"candidate tokens must lie in the draft's {v} logits, got {tokens.min()}..{tokens.max()}")
     if logits is None:  # rows of no logits: _head_step reads no softmax
         logits = np.zeros((hidden.shape[0], 0), dtype=np.float32)
     _head_rows_k(logits, tokens, hidden, runs, codes, _work(v), out, *params)

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from heads.kernels import HAVE_NUMBA, _exp_sums, _extras_into, _jit, _mlp_prob, _work
+from heads.kernels import HAVE_NUMBA, _exp_sums, _extras_into, _jit, _mlp_prob, _work, check_width
 
 if HAVE_NUMBA:
     import numba
@@ -168,6 +168,10 @@ def head_children(logits: np.ndarray, tokens: np.ndarray, hidden: np.ndarray, ru
     """A sibling head over a tree level: (N, V) float32 raw logits after each expanded node, (N, m) int64 its
     children (-1: none), (N, H) states, (N,) runs -> (N, m) float64 each child's chance to be the accepted one given
     its parent is (decode.tree.HeadTree.weigh)."""
+    check_width(hidden.shape[-1], codes.shape[0], params)
+    if not logits.shape[0] == tokens.shape[0] == hidden.shape[0] == len(runs) or tokens.max(initial=-1) >= logits.shape[-1]:
+        raise ValueError(f"head_children needs a logits row, children row, state and run per node and children in the "
+                         f"vocabulary, got {logits.shape}, {tokens.shape}, {hidden.shape[0]} states, {len(runs)} runs")
     out = np.empty(tokens.shape)
     _head_children_k(logits, tokens, hidden, runs, codes, _work(logits.shape[-1]), out, *params)
     return out

@@ -303,3 +303,25 @@ def test_a_head_trees_compiled_width_is_its_numpy_twins():
     tie = (np.array([0.2, 0.6]), np.array([[0.6, 0.2]]), 1.0, np.array([0.0, 1.0, 2.0]),
            np.array([1.0, 2, 2, 2] + [3.0] * 6), 9)
     assert tree_kernels.best_width(*tie) == best_width(*tie) == 0
+
+
+def test_compiled_head_paths_refuse_a_state_of_another_width():
+    """The kernels index without bounds checks: a state wider than the head reads (a head for another draft, fed
+    by a caller that skipped its check) raised nothing before and wrote past the kernel's buffers."""
+    head = AcceptanceHead(10 + 2, depth=2)
+    prob = head.inference_fn(1.0, 0.0)
+    codes = np.array([EXTRAS.index("draft_entropy"), EXTRAS.index("draft_top1")], dtype=np.int64)
+    logits = logits_rows()[:2]
+    assert 0 < kernels.head_step(logits[0], 3, np.zeros(10, np.float32), 0, codes, prob.params)[0] < 1
+    wide = np.zeros((2, 130), np.float32)
+    with pytest.raises(ValueError, match="reads 12 features, got a state of 130"):
+        prob(wide[0], np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="another draft"):
+        kernels.head_step(logits[0], 3, wide[0], 0, codes, prob.params)
+    with pytest.raises(ValueError, match="another draft"):
+        kernels.head_rows(logits, np.array([3, 4]), wide, np.zeros(2, np.int64), codes, prob.params)
+    with pytest.raises(ValueError, match="another draft"):
+        tree_kernels.head_children(logits, np.array([[3, 4], [5, -1]]), wide, np.zeros(2, np.int64), codes,
+                                   prob.params)
+    with pytest.raises(ValueError, match="outside the draft's 500 logits"):
+        kernels.head_step(logits[0], 500, np.zeros(10, np.float32), 0, codes, prob.params)

@@ -208,3 +208,16 @@ def test_sampled_replay_estimates_the_engines_acceptance(tiny_pair):
         se = (statistics.pvariance(engine) / len(engine) + statistics.pvariance(replayed) / len(replayed)) ** 0.5
         assert abs(e - r) < 4 * se + 0.05, (k, e, r, se)
         assert 0.1 < e < k - 0.2  # acceptance neither nil nor certain: the comparison means something
+
+
+def test_replay_command_refuses_a_head_for_another_draft_before_recording(tiny_pair, tmp_path, capsys):
+    """`python -m decode replay` runs no decoder, so nothing bound its heads: a head of another draft reached the
+    compiled kernels with a state of another width."""
+    from decode.evaluation.tuning import main
+
+    head = export_head(tmp_path, tiny_pair)  # the tiny test pair's, not the pycode pair's that the config names
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/replay/pycode.yaml", "--setting", "greedy", "--heads", head])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--heads {head}: head {head} was trained on draft" in err and "Retrain it for this draft" in err

@@ -40,6 +40,7 @@ from decode.evaluation.replay import (
     target_alone_calls,
 )
 from decode.pair import Pair
+from decode.policies import SpecDecPP
 
 
 @dataclass
@@ -128,8 +129,14 @@ def main(argv: list[str] | None = None) -> None:
     base = load_pair(cfg["pair"])
     setting = settings[args.setting]
     pair = base.with_sampling(**vars(setting))
-    heads = args.heads if args.heads is not None else [f"checkpoints/{n}{pair.head_suffix()}"
-                                                       for n in ("specdecpp", "specdecpp-prev")]
+    # the bench config's own heads (its summary's), for this setting: a pair's heads live beside its name
+    heads = args.heads if args.heads is not None else [f"{cfg[k]}{pair.head_suffix()}"
+                                                       for k in ("summary_head", "summary_prev_head")]
+    for head in heads:  # replay runs no decoder, so it checks what a decoder's prepare() would, before any recording
+        try:
+            SpecDecPP(head, 0.5).bind(pair.identity("draft"), pair.config.sampling)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(f"--heads {head}: {' '.join(str(e).split())}")
     for name in args.prompt_sets or sets:
         trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"),
                              stops_at_eos(pair, cfg["ignore_eos"])) for s in ("dev", "test")}
