@@ -40,7 +40,7 @@ def from_pretrained(directory: str | Path) -> tuple[Head, dict]:
         cls = HEAD_TYPES[config["head_type"]]
         head = cls(**config["init_args"])
         head.load_state_dict(load_file(str(weights)))
-    except (json.JSONDecodeError, KeyError, SafetensorError, RuntimeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, SafetensorError, RuntimeError) as e:
         raise ValueError(f"head checkpoint {directory} is corrupt or incomplete: {e}") from e
     return head.eval().requires_grad_(False), config
 

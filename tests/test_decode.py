@@ -227,6 +227,15 @@ def test_bad_input_errors(tiny_pair, tmp_path):
     del cfg["draft"]["weights"]  # a head exported before heads recorded the weights: loads as before
     (Path(other) / "config.json").write_text(json.dumps(cfg))
     SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+    # a config naming other extras than its weights read: refused at bind, not by the kernel mid-decode
+    (Path(other) / "config.json").write_text(json.dumps(cfg | {"features": {"position": "own", "extras": ["draft_top1"]}}))
+    with pytest.raises(HeadMismatch, match="reads 32 features, but this draft.s state of 32 and the 1 extras .* make 33"):
+        SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+    for broken in ([], {k: v for k, v in cfg.items() if k != "features"}, cfg | {"calibration": {"a": 1.0}},
+                   cfg | {"init_args": cfg["init_args"] | {"bogus": 1}}):  # hand-edited or cut short: one ValueError
+        (Path(other) / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="corrupt or incomplete"):
+            SpecDecPP(other)
 
 
 def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml, capsys):

@@ -19,7 +19,7 @@ from decode import labels as L
 from decode.pair import Sampling
 from decode.policies.base import DraftStep, Policy, check_max_len, check_unit
 from decode.sampling import as_numpy
-from heads import EXTRAS, FeatureSpec, check_draft, from_pretrained, kernels
+from heads import EXTRAS, FeatureSpec, HeadMismatch, check_draft, from_pretrained, kernels
 
 
 class SamplingMismatch(ValueError):
@@ -34,7 +34,7 @@ def matching_heads(head_dir: str, config: dict, setting: str) -> list[str]:
             cfg = json.loads(cfg_path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
+        if isinstance(cfg, dict) and "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
                 _kind(cfg) == _kind(config) and cfg_path.parent != here.resolve():
             out.append(str(here.parent / cfg_path.parent.name))
     return out
@@ -44,7 +44,7 @@ def _kind(cfg: dict) -> tuple:
     """(head type, label family, sibling head or not): an FSD head is an AcceptanceHead too, but answers another
     question, and a tree's sibling head another still (decode.tree.head)."""
     return (cfg.get("head_type"), (cfg.get("label") or {}).get("family"),
-            "cand_rank" in (cfg.get("features") or {}).get("extras", []))
+            "cand_rank" in (cfg.get("features") or {}).get("extras", []), (cfg.get("features") or {}).get("position"))
 
 
 class HeadPolicy(Policy):
@@ -57,7 +57,11 @@ class HeadPolicy(Policy):
 
     def __init__(self, head_dir: str, allow_sampling_mismatch: bool = False):
         head, config = from_pretrained(head_dir)
-        self._use(head, config)
+        try:
+            self._use(head, config)
+        except (KeyError, TypeError, AttributeError) as e:  # a config.json edited by hand or cut short
+            raise ValueError(f"head checkpoint {head_dir} has a corrupt or incomplete config.json "
+                             f"({type(e).__name__}: {e}): export it again") from None
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
 
     @classmethod
@@ -100,6 +104,12 @@ class HeadPolicy(Policy):
 
     def bind(self, draft_identity: dict, sampling: Sampling | None = None) -> None:
         check_draft(self.config, draft_identity, where=f"head {self.head_dir}")
+        width, extras = self.head.init_args.get("in_dim"), len(self.features.extras)
+        if width is not None and width != draft_identity["hidden_size"] + extras:
+            raise HeadMismatch(f"head {self.head_dir} reads {width} features, but this draft's state of "
+                               f"{draft_identity['hidden_size']} and the {extras} extras its config.json names make "
+                               f"{draft_identity['hidden_size'] + extras}: its config does not match its weights; "
+                               "export it again")
         if sampling is None or "sampling" not in self.config:
             return
         trained, used = Sampling.of(self.config["sampling"]).name, sampling.name
