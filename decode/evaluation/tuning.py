@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             SpecDecPP(head, 0.5).bind(pair.identity("draft"), pair.config.sampling)
         except (ValueError, FileNotFoundError) as e:
-            ap.error(f"--heads {head}: {' '.join(str(e).split())}")
+            where = "" if args.heads is not None else f" (set summary_head and summary_prev_head in {rc.bench}, or pass --heads)"
+            ap.error(f"--heads {head}: {' '.join(str(e).split())}{where}")
     for name in args.prompt_sets or sets:
         trajs = {s: recorded(pair, cfg["max_new_tokens"], sets[name], s, rc.kmax, Path("runs/replay"),
                              stops_at_eos(pair, cfg["ignore_eos"])) for s in ("dev", "test")}
