@@ -248,9 +248,10 @@ def head_rows(logits: np.ndarray | None, tokens: np.ndarray, hidden: np.ndarray,
     out = np.empty((4, hidden.shape[0]))
     v = 0 if logits is None else logits.shape[-1]
     check_width(hidden.shape[-1], codes.shape[0], params)
-    if not len(tokens) == len(runs) == hidden.shape[0] == (hidden.shape[0] if logits is None else logits.shape[0]):
+    rows, logit_rows = hidden.shape[0], None if logits is None else logits.shape[0]
+    if not len(tokens) == len(runs) == rows or logit_rows not in (None, rows):
         raise ValueError(f"head_rows needs one token, run and logits row per state row, got {len(tokens)} tokens, "
-                         f"{len(runs)} runs, {hidden.shape[0]} states and {'no' if logits is None else logits.shape[0]} logits rows")
+                         f"{len(runs)} runs, {rows} states and {logit_rows or 'no'} logits rows")
     if v and len(tokens) and not (0 <= tokens.min() and tokens.max() < v):
         raise ValueError(f"candidate tokens must lie in the draft's {v} logits, got {tokens.min()}..{tokens.max()}")
     if logits is None:  # rows of no logits: _head_step reads no softmax

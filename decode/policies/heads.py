@@ -41,10 +41,12 @@ def matching_heads(head_dir: str, config: dict, setting: str) -> list[str]:
 
 
 def _kind(cfg: dict) -> tuple:
-    """(head type, label family, sibling head or not): an FSD head is an AcceptanceHead too, but answers another
-    question, and a tree's sibling head another still (decode.tree.head)."""
-    return (cfg.get("head_type"), (cfg.get("label") or {}).get("family"),
-            "cand_rank" in (cfg.get("features") or {}).get("extras", []), (cfg.get("features") or {}).get("position"))
+    """(head type, label family, sibling head or not, feature position): an FSD head is an AcceptanceHead too, but
+    answers another question, a tree's sibling head another still (decode.tree.head), and a prev head reads another
+    state than an own one."""
+    features = cfg.get("features") or {}
+    return (cfg.get("head_type"), (cfg.get("label") or {}).get("family"), "cand_rank" in features.get("extras", []),
+            features.get("position"))
 
 
 class HeadPolicy(Policy):
