@@ -1,8 +1,8 @@
 """specheads' decoding: load a pair, pick how far to draft and how to verify, decode one sequence or a batch.
 
     from decode import load_pair, SpeculativeDecoder, BatchDecoder, SpecDecPP, GreedyMatch
-    pair = load_pair("configs/pairs/pycode.yaml")
-    gen = SpeculativeDecoder(pair, SpecDecPP("checkpoints/specdecpp"), GreedyMatch()).generate(ids, 64)
+    pair = load_pair("configs/pairs/pycode.yaml").with_sampling(temperature=0.0)  # GreedyMatch: greedy decoding
+    gen = SpeculativeDecoder(pair, SpecDecPP("checkpoints/specdecpp-greedy"), GreedyMatch()).generate(ids, 64)
 
 The names below are the public API; each is imported on first use (importing this package loads no model library,
 so `python -m decode` can set its defaults first). Where each lives:

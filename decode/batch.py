@@ -49,6 +49,7 @@ class BatchDecoder:
 
     def __init__(self, pair: Pair, policy: Policy | BatchControl, rule: Rule, seed: int = 0,
                  cost_sizes: list[int] | None = None):
+        rule.check(pair.config.sampling)
         self.control = control_of(policy)
         if isinstance(self.control, TreeShape):
             check_tree(pair, rule)

@@ -91,6 +91,7 @@ class SpeculativeDecoder:
     """generate(prompt_ids) with a policy and a rule; each call returns its own stats."""
 
     def __init__(self, pair: Pair, policy: Policy, rule: Rule, seed: int = 0):
+        rule.check(pair.config.sampling)
         self.pair, self.policy, self.rule = pair, policy, rule
         self.rows = None
         if isinstance(policy, TreeShape):  # a token tree's round is the batched decoder's, over a batch of one row

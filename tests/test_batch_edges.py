@@ -80,7 +80,8 @@ def test_a_top_p_row_in_a_batch_draws_what_it_draws_alone(pycode, temperature, t
 
 @pytest.mark.parametrize("cls", [BatchDecoder, BatchAutoregressive])
 def test_bad_batch_requests_are_refused_in_one_line_naming_the_row(pycode, cls):
-    dec = cls(pycode, FixedK(2), GreedyMatch()) if cls is BatchDecoder else cls(pycode)
+    greedy = pycode.with_sampling(temperature=0.0)
+    dec = cls(greedy, FixedK(2), GreedyMatch()) if cls is BatchDecoder else cls(greedy)
     good = pycode.encode("def f(x):")
     assert dec.generate([]) == []
     assert [g.tokens for g in dec.generate([good, good], max_new_tokens=0)] == [[], []]
@@ -98,7 +99,7 @@ def test_bad_batch_requests_are_refused_in_one_line_naming_the_row(pycode, cls):
 
 
 def test_the_one_sequence_decoder_refuses_the_same_inputs(pycode):
-    dec = SpeculativeDecoder(pycode, FixedK(2), GreedyMatch())
+    dec = SpeculativeDecoder(pycode.with_sampling(temperature=0.0), FixedK(2), GreedyMatch())
     with pytest.raises(ValueError, match="token id 4096 is outside"):
         dec.generate([1, 2, 4096], 4)
     with pytest.raises(ValueError, match="max_new_tokens=-1"):
@@ -136,8 +137,8 @@ def test_prompts_of_any_plausible_type_work_or_are_refused_in_one_line(pycode):
             dec.generate(bad, 4)
     with pytest.raises(ValueError, match="max_new_tokens=True"):
         dec.generate([ids], True)
-    assert SpeculativeDecoder(pycode, FixedK(2), GreedyMatch()).generate(torch.tensor(ids), 3).tokens == \
-        SpeculativeDecoder(pycode, FixedK(2), GreedyMatch()).generate(ids, 3).tokens
+    one = SpeculativeDecoder(pycode.with_sampling(temperature=0.0), FixedK(2), GreedyMatch())
+    assert one.generate(torch.tensor(ids), 3).tokens == one.generate(ids, 3).tokens
 
 
 def test_tree_shapes_refuse_bad_sizes_in_one_line():

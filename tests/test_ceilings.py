@@ -107,7 +107,7 @@ def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
     call log of the same plan), spending fewer predicted seconds than fixed K or the first-disagreement oracle."""
     from decode.engine import Autoregressive, SpeculativeDecoder
     from decode.evaluation.ceilings import HindsightOracle, StepCosts
-    from decode.rules.chain import GreedyMatch
+    from decode.rules.chain import GreedyMatch, SpeculativeSampling
 
     greedy = tiny_pair.with_sampling(temperature=0.0)
     for prompt in PROMPTS[:4]:
@@ -129,7 +129,8 @@ def test_the_engine_decodes_the_hindsight_plan_and_replay_meets_it(tiny_pair):
         again = dec.generate(PROMPTS[1], 24)
         assert again.tokens == first.tokens and again.stats.calls == first.stats.calls and again.stats.t_oracle > 0
     with pytest.raises(ValueError, match="greedy decoding only"):
-        SpeculativeDecoder(tiny_pair.with_sampling(temperature=1.0), HindsightOracle(), GreedyMatch()).generate(PROMPTS[0], 8)
+        SpeculativeDecoder(tiny_pair.with_sampling(temperature=1.0), HindsightOracle(),
+                           SpeculativeSampling()).generate(PROMPTS[0], 8)
 
 
 def test_the_hindsight_oracle_plans_again_where_the_text_leaves_its_recording(tiny_pair, monkeypatch):

@@ -115,7 +115,8 @@ def test_speculative_sampling_is_lossless_and_a_broken_resample_is_caught(tiny_p
 
 def test_call_log_keeps_the_order_of_the_forwards(tiny_pair):
     """Prefill of both models, then per round: the draft's steps, then one target check of pending + k."""
-    stats = SpeculativeDecoder(tiny_pair, FixedK(2), GreedyMatch()).generate(PROMPTS[5], 12).stats
+    stats = SpeculativeDecoder(tiny_pair.with_sampling(temperature=0.0), FixedK(2), GreedyMatch()).generate(
+        PROMPTS[5], 12).stats
     prompt = len(PROMPTS[5])
     assert stats.calls[:5] == [("draft", prompt - 1), ("target", prompt - 1), ("draft", 1), ("draft", 1), ("target", 3)]
     assert all(n in (2, 3) for m, n in stats.calls[5:] if m == "target")  # pending + 2, or + 1 at the end
@@ -133,7 +134,8 @@ def test_streaming_is_timed_apart_from_the_engine(tiny_pair):
         seen.extend(new)
         sum(i * i for i in range(20000))
 
-    for dec in (SpeculativeDecoder(tiny_pair, FixedK(2), GreedyMatch()), Autoregressive(tiny_pair)):
+    greedy = tiny_pair.with_sampling(temperature=0.0)
+    for dec in (SpeculativeDecoder(greedy, FixedK(2), GreedyMatch()), Autoregressive(greedy)):
         out = dec.generate(PROMPTS[5], 12, on_tokens=slow_stream)
         s = out.stats.summary()
         assert seen[-len(out.tokens):] == out.tokens and 0 < s["t_stream_s"] < s["wall_s"]
@@ -184,10 +186,22 @@ def test_speculative_sampling_on_a_one_hot_target_decides_as_greedy_matching_and
 
 
 def test_fly_with_theta_one_is_greedy_match(tiny_pair):
+    greedy = tiny_pair.with_sampling(temperature=0.0)
     for prompt in PROMPTS[:4]:
-        a = SpeculativeDecoder(tiny_pair, FixedK(4), FLy(theta=1.0), seed=9).generate(prompt, 16).tokens
-        b = SpeculativeDecoder(tiny_pair, FixedK(4), GreedyMatch(), seed=9).generate(prompt, 16).tokens
+        a = SpeculativeDecoder(greedy, FixedK(4), FLy(theta=1.0), seed=9).generate(prompt, 16).tokens
+        b = SpeculativeDecoder(greedy, FixedK(4), GreedyMatch(), seed=9).generate(prompt, 16).tokens
         assert a == b
+
+
+def test_greedy_match_under_sampling_is_refused_in_one_line(tiny_pair):
+    """GreedyMatch reads the target's argmax alone: on a sampled pair it would decode greedily while counted lossless,
+    so every decoder refuses it before decoding, a chain as a tree does."""
+    sampled = tiny_pair.with_sampling(temperature=0.7, top_p=0.9)
+    for make in (SpeculativeDecoder, BatchDecoder):
+        with pytest.raises(ValueError, match=r"^GreedyMatch accepts only the target's argmax, so at temperature 0.7 "
+                                             r"it would decode greedily instead of sampling: use SpeculativeSampling"):
+            make(sampled, FixedK(2), GreedyMatch())
+    SpeculativeDecoder(tiny_pair.with_sampling(temperature=0.0), FixedK(2), GreedyMatch())  # greedy: served
 
 
 def test_cache_rollback_equals_fresh_forward(tiny_pair):

@@ -211,7 +211,7 @@ def test_trees_refuse_lossy_rules_in_one_line(arch_pairs):
     pair = arch_pairs("llama", "float32")[1]
     with pytest.raises(ValueError, match="token trees verify by greedy matching .* not FSD"):
         BatchDecoder(pair, SHAPES["sequoia"](), FSD())
-    with pytest.raises(ValueError, match="not GreedyMatch at temperature 1"):
+    with pytest.raises(ValueError, match="GreedyMatch accepts only the target's argmax, so at temperature 1"):
         BatchDecoder(pair.with_sampling(temperature=1.0), SHAPES["sequoia"](), GreedyMatch())
 
 

@@ -38,6 +38,9 @@ class Rule:
     # from the target's argmax alone (decides_by_argmax)
     matches_greedily = False
 
+    def check(self, s: Sampling) -> None:
+        """Refuse, in one line and before decoding, a sampling setting this rule cannot serve (decoders call it)."""
+
     def decides_by_argmax(self, s: Sampling) -> bool:
         """Does the target's argmax alone decide verification under s? Then a decoder builds no one-hot p or q."""
         return s.temperature == 0 and self.matches_greedily
@@ -131,6 +134,13 @@ class GreedyMatch(Rule):
 
     lossless = True
     matches_greedily = True
+
+    def check(self, s: Sampling) -> None:
+        # it reads the target's argmax alone: under sampling it would decode greedily while calling itself lossless
+        if s.temperature > 0:
+            raise ValueError(f"GreedyMatch accepts only the target's argmax, so at temperature {s.temperature:g} it "
+                             "would decode greedily instead of sampling: use SpeculativeSampling (lossless at any "
+                             "temperature), or set the pair's temperature to 0")
 
     def verify(self, tokens, q, p, gen):
         return greedy_verify(tokens, p)
