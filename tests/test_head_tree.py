@@ -12,7 +12,7 @@ from decode.batch import BatchAutoregressive, BatchDecoder
 from decode.cache.rows import windowed
 from decode.costs.model import CostModel
 from decode.engine import SpeculativeDecoder
-from decode.rules.chain import GreedyMatch
+from decode.rules.chain import GreedyMatch, SpeculativeSampling
 from decode.tree.head import HeadTree
 from decode.tree.shapes import NodeBatch
 from tests.test_archs import MATRIX, arch_pairs, no_eos  # noqa: F401, F811  (arch_pairs is a fixture)
@@ -149,6 +149,20 @@ def test_the_rounds_correct_the_tables_and_the_heads_values(tiny_pair, tmp_path)
         assert np.isclose(shape.priced()["draft"], 1.0)
         c = shape.priced()["calibration"]
         assert (c[1] < 0.5 and smallest < len(first)) if learn else (np.all(c == 1) and smallest == len(first)), c
+
+
+def test_a_tree_that_does_not_learn_draws_the_same_tokens_for_a_seed(tiny_pair, tmp_path):
+    """learn=False prices from the tables alone, host work included: the wall clock (a first run's compiles, a busy
+    machine) never reaches its trees, so under sampling a seed's tokens repeat from one fresh tree to the next."""
+    pair = dataclasses.replace(tiny_pair.with_sampling(temperature=1.0), eos_ids=(-1,))
+    head = sibling_head(tmp_path, pair)
+    runs = []
+    for slow in (0.0, 500.0):
+        shape = priced(head, per_node=0.5, learn=False)
+        shape.tree_timed(slow, slow)  # a round whose host work took `slow` ms
+        runs.append(SpeculativeDecoder(pair, shape, SpeculativeSampling(), seed=7).generate([3, 7, 5], 40).tokens)
+        assert shape.host == {} and shape.priced()["round"] == 0.0
+    assert runs[0] == runs[1]
 
 
 def test_a_batchs_tree_is_priced_past_the_measured_sizes():

@@ -18,7 +18,8 @@ promised, since a head is optimistic deep in a tree or on text it was not traine
 whether to draft at all at each batch size (where a plain target step brings the batch on faster, it takes plain
 steps; decode.batch runs them as a chain of no candidates). Greedy output is the target's whatever the tree; under
 sampling the law is the target's, but a row's draws depend on the trees it got, so they differ between a row alone
-and in a batch, and between a fresh HeadTree and one that has decoded before.
+and in a batch, between a fresh HeadTree and one that has decoded before, and (as the trees follow the wall clock)
+from run to run; with learn=False and given tables (set_tree_costs) a seed's tokens repeat.
 
 The cost-aware stop, generalised to trees: a round's rate is the expected tokens over the round's ms when the target
 verifies the best-first prefix of the nodes with the most expected tokens per ms, a draft level priced by its width
@@ -287,7 +288,8 @@ class HeadTree(TreeShape):
         """The host work of growing the tree, spread over its draft levels (the root's included), is what a level
         costs beyond the draft's forward; the rest is a round's fixed cost. The forwards' ms, set beside what the
         tables said of this round's, scale the tables."""
-        self.host[self.b] = 0.9 * self._host() + 0.1 * np.array([grow_ms / (self._levels + 1), rest_ms])
+        if self.learn:  # learn=False prices from the tables alone: the wall clock never reaches its trees
+            self.host[self.b] = 0.9 * self._host() + 0.1 * np.array([grow_ms / (self._levels + 1), rest_ms])
         for model, ms in (("draft", draft_ms), ("verify", verify_ms)):
             if self.learn and ms is not None and self._tabled[model] > 0:
                 key = (model, self.b)  # by batch size: a table's error at 8 rows is not its error at 1
