@@ -126,6 +126,11 @@ class PairConfig:
     max_context: int = 512
     notes: str = ""
 
+    def __post_init__(self):
+        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 2:
+            raise ValueError(f"max_context is the most tokens a sequence holds, prompt and answer (a whole number >= 2 "
+                             f"in the pair's YAML), got {self.max_context!r}")
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> PairConfig:
         path = Path(path)
@@ -311,6 +316,16 @@ def load_config(spec: ModelSpec):
     return AutoConfig.from_pretrained(spec.resolved(), revision=spec.revision)
 
 
+def check_positions(config, name: str, max_context: int) -> None:
+    """Refuse, in one line, a max_context past a model's positions: a learned position table would fail inside torch
+    once a sequence grows past it, and rotary positions past it were never trained."""
+    most = getattr(config, "max_position_embeddings", None)
+    if isinstance(most, int) and max_context > most:
+        raise ValueError(f"max_context {max_context} is longer than the {name}'s {most} positions "
+                         f"(max_position_embeddings in its config.json): set max_context to at most {most} in the pair's "
+                         "YAML")
+
+
 def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=None):
     """A model frozen in eval mode; on `device` unless its spec shards it with a device_map. donor: the model whose
     input embeddings a spec with embeddings "target" takes."""
@@ -390,7 +405,9 @@ def load_pair(config: PairConfig | str | Path, device: torch.device | str | None
     draft_tok, target_tok = load_tokenizers(cfg)
     vocab = check_vocabularies(draft_tok, target_tok)
     for name in ("draft", "target"):
-        check_servable(load_config(getattr(cfg, name)), name)
+        model_config = load_config(getattr(cfg, name))
+        check_servable(model_config, name)
+        check_positions(model_config, name, cfg.max_context)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.target.embeddings != "own":

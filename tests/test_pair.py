@@ -52,6 +52,22 @@ def test_bad_sampling_is_refused(tmp_path):
         load_pair(write_tiny_pair(tmp_path, top_p=0.0))
 
 
+def test_a_context_past_the_models_positions_is_refused_in_one_line(tmp_path):
+    """The tiny GPT-2 has 128 learned positions: a longer max_context would fail inside torch once a sequence grew past
+    them, so loading refuses it, naming the limit; a context that is no number of tokens is refused as it parses."""
+    import yaml
+
+    path = write_tiny_pair(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    for bad, message in ((100_000, r"^max_context 100000 is longer than the draft's 128 positions "
+                                   r"\(max_position_embeddings in its config.json\): set max_context to at most 128"),
+                         (0, r"^max_context is the most tokens a sequence holds.*got 0$"),
+                         ("long", r"^max_context is the most tokens a sequence holds.*got 'long'$")):
+        path.write_text(yaml.safe_dump(raw | {"max_context": bad}))
+        with pytest.raises(ValueError, match=message):
+            load_pair(path)
+
+
 def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):
     """A draft trained on (same config, other weights) reads another digest; the same weights in bfloat16 read the same
     one, so a head trained on labels made in one precision serves the other."""
