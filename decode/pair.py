@@ -111,7 +111,12 @@ class ModelSpec:
         if self.embeddings == "target" and not (local / "config.json").is_file():
             raise ValueError(f"{self.path} is not a model folder (no config.json there): a draft that shares the "
                              "target's embeddings is a folder exported by python -m train.distill")
-        return str(local) if local.exists() else self.path
+        if local.exists():
+            return str(local)
+        if Path(self.path).is_absolute() or self.path.count("/") != 1 or self.path.startswith((".", "~")):
+            raise ValueError(f"{self.path}: no model folder there (a model is a folder relative to the repository "
+                             "root, a hub id owner/name, or pip:PACKAGE==VERSION/PATH.gguf)")
+        return self.path
 
 
 @dataclass
@@ -329,14 +334,25 @@ def check_positions(config, name: str, max_context: int) -> None:
 def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=None):
     """A model frozen in eval mode; on `device` unless its spec shards it with a device_map. donor: the model whose
     input embeddings a spec with embeddings "target" takes."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     if spec.embeddings == "target":
         model = with_donor_embeddings(spec, donor)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.resolved(), dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision
-        )
+        where = spec.resolved()
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                where, dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision,
+                output_loading_info=True)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a missing, corrupt or misfit file
+            why = ("its weights' shapes do not fit its config.json" if "ignore_mismatched_sizes" in str(e)
+                   else first_line(e))  # (transformers prints the shapes in a report of its own above)
+            raise ValueError(f"{where} cannot be loaded ({why}): copy or export the model again") from e
+        if info["missing_keys"]:  # transformers would initialise them at random, silently
+            raise ValueError(f"{where}: its weights lack {len(info['missing_keys'])} tensors its config.json asks for "
+                             f"({', '.join(sorted(info['missing_keys'])[:3])}...): the config and the weights are not "
+                             "of one model")
     if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
         model.to(device)
     if spec.head_tokens:
@@ -353,6 +369,13 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=
         if isinstance(module, PreTrainedModel):
             module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
     return model
+
+
+def first_line(e: Exception) -> str:
+    """An error's first non-empty line, whitespace folded and cut to 200 characters (a library's report can run to
+    dozens of lines)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return " ".join((lines[0] if lines else type(e).__name__).split())[:200]
 
 
 def with_donor_embeddings(spec: ModelSpec, donor):

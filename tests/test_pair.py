@@ -68,6 +68,31 @@ def test_a_context_past_the_models_positions_is_refused_in_one_line(tmp_path):
             load_pair(path)
 
 
+def test_a_missing_corrupt_or_misfit_model_is_refused_in_one_line(tmp_path):
+    """A model folder that is not there, weights cut short, or a config.json asking for layers the weights lack (which
+    transformers would fill at random) each fail loading in one line naming the folder."""
+    import yaml
+
+    path = write_tiny_pair(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(raw | {"draft": {"path": str(tmp_path / "nope")}}))
+    with pytest.raises(ValueError, match=r"^\S*nope: no model folder there"):
+        load_pair(path)
+    path.write_text(yaml.safe_dump(raw))
+    weights, config = tmp_path / "target" / "model.safetensors", tmp_path / "draft" / "config.json"
+    good, cfg = weights.read_bytes(), json.loads(config.read_text())
+    weights.write_bytes(good[:100])
+    with pytest.raises(ValueError, match=r"^\S*target cannot be loaded \(Error while deserializing header.*\): copy"):
+        load_pair(path)
+    weights.write_bytes(good)
+    config.write_text(json.dumps(cfg | {"n_layer": cfg["n_layer"] + 2}))
+    with pytest.raises(ValueError, match=r"^\S*draft: its weights lack \d+ tensors its config.json asks for"):
+        load_pair(path)
+    config.write_text(json.dumps(cfg | {"n_embd": 2 * cfg["n_embd"]}))
+    with pytest.raises(ValueError, match=r"^\S*draft cannot be loaded \(its weights' shapes do not fit its config.json"):
+        load_pair(path)
+
+
 def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):
     """A draft trained on (same config, other weights) reads another digest; the same weights in bfloat16 read the same
     one, so a head trained on labels made in one precision serves the other."""
