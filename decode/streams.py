@@ -46,6 +46,9 @@ class Streams:
     """
 
     def __init__(self, seeds: Sequence[int], device: torch.device | str = "cpu"):
+        bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, (int, np.integer))]
+        if bad:
+            raise ValueError(f"a seed is a whole number, got {bad[0]!r}")
         self.key = mix(np.array([s & _MASK for s in seeds], dtype=np.uint64))
         self.count = np.zeros(len(seeds), dtype=np.uint64)  # uniforms each row has drawn
         self.ids = np.arange(len(seeds))

@@ -54,7 +54,7 @@ def differing(recorded: dict, now: dict, keys) -> list[str]:
 
 def check_draft(config: dict, draft_identity: dict, where: str = "head") -> None:
     """Raise HeadMismatch naming every field where the head's recorded draft differs from this one."""
-    recorded = config.get("draft", {})
+    recorded = config.get("draft") or {}
     diff = [f"{k}: {where} was trained for {recorded.get(k)!r}, this draft has {draft_identity.get(k)!r}"
             for k in differing(recorded, draft_identity, DRAFT_KEYS)]
     if diff:

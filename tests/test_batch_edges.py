@@ -141,6 +141,18 @@ def test_prompts_of_any_plausible_type_work_or_are_refused_in_one_line(pycode):
     assert one.generate(torch.tensor(ids), 3).tokens == one.generate(ids, 3).tokens
 
 
+def test_a_fixed_k_or_a_seed_that_is_no_whole_number_is_refused_in_one_line(pycode):
+    import numpy as np
+
+    for k in ("3", 2.5, True, 0, 65):
+        with pytest.raises(ValueError, match=rf"^FixedK's k is a whole number in 1..64 .*got {k!r}$"):
+            FixedK(k)
+    assert FixedK(np.int64(3)).k == 3 and type(FixedK(np.int64(3)).k) is int
+    for seed in (None, "a", 1.5):
+        with pytest.raises(ValueError, match=rf"^a seed is a whole number, got {seed!r}$"):
+            SpeculativeDecoder(pycode.with_sampling(temperature=0.0), FixedK(2), GreedyMatch(), seed=seed)
+
+
 def test_tree_shapes_refuse_bad_sizes_in_one_line():
     for make, message in ((lambda: StaticTree([0, 1]), "StaticTree's paths are a list of rank paths"),
                           (lambda: StaticTree([[-1]]), "StaticTree's paths are a list of rank paths"),

@@ -238,6 +238,9 @@ def test_bad_input_errors(tiny_pair, tmp_path):
     (Path(other) / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HeadMismatch, match="weights: .*Retrain it for this draft"):
         SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+    (Path(other) / "config.json").write_text(json.dumps(cfg | {"draft": None}))  # hand-edited: no draft recorded
+    with pytest.raises(HeadMismatch, match=r"was trained on draft None, not on .*config_hash: .* was trained for None"):
+        SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
     del cfg["draft"]["weights"]  # a head exported before heads recorded the weights: loads as before
     (Path(other) / "config.json").write_text(json.dumps(cfg))
     SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,8 +143,9 @@ class FixedK(Policy):
     """Draft exactly k candidates per round (classic speculative decoding)."""
 
     def __init__(self, k: int = 4):
-        if not 1 <= k <= 64:
-            raise ValueError(f"k must be in 1..64, got {k} (K < 1 drafts nothing)")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 64:
+            raise ValueError(f"FixedK's k is a whole number in 1..64 (K < 1 drafts nothing), got {k!r}")
+        k = int(k)
         self.k = self.max_len = k
 
     def stop(self, step):
