@@ -302,17 +302,25 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 def load_tokenizers(cfg: PairConfig):
     """(draft's, target's) tokenizers. A draft that shares the target's embeddings reads the target's vocabulary, so
     when its folder holds no tokenizer it takes the target's (python -m train.distill exports none)."""
-    from transformers import AutoTokenizer
-
-    t = AutoTokenizer.from_pretrained(cfg.target.resolved(), revision=cfg.target.revision)
+    t = read_tokenizer(cfg.target.resolved(), cfg.target.revision)
     folder = Path(cfg.draft.resolved())
     if folder.is_dir() and not any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
         if cfg.draft.embeddings == "target":
             return t, t
         raise ValueError(f"the draft folder {cfg.draft.path} holds no tokenizer (tokenizer_config.json): save the "
                          f"draft's tokenizer there, or set embeddings: target if it shares the target's embeddings")
-    d = AutoTokenizer.from_pretrained(str(folder), revision=cfg.draft.revision)
-    return d, t
+    return read_tokenizer(str(folder), cfg.draft.revision), t
+
+
+def read_tokenizer(where: str, revision: str | None):
+    """A model's tokenizer, or a one-line ValueError naming the folder whose tokenizer files cannot be read."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, revision=revision)
+    except (OSError, ValueError) as e:  # json's decode error is a ValueError
+        raise ValueError(f"{where}: its tokenizer cannot be read ({type(e).__name__}: {first_line(e)}): copy its "
+                         "tokenizer files again") from e
 
 
 def load_config(spec: ModelSpec):

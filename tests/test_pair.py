@@ -69,8 +69,9 @@ def test_a_context_past_the_models_positions_is_refused_in_one_line(tmp_path):
 
 
 def test_a_missing_corrupt_or_misfit_model_is_refused_in_one_line(tmp_path):
-    """A model folder that is not there, weights cut short, or a config.json asking for layers the weights lack (which
-    transformers would fill at random) each fail loading in one line naming the folder."""
+    """A model folder that is not there, weights cut short, a config.json asking for layers the weights lack (which
+    transformers would fill at random) or shapes they do not have, and a tokenizer file cut short each fail loading
+    in one line naming the folder."""
     import yaml
 
     path = write_tiny_pair(tmp_path)
@@ -90,6 +91,11 @@ def test_a_missing_corrupt_or_misfit_model_is_refused_in_one_line(tmp_path):
         load_pair(path)
     config.write_text(json.dumps(cfg | {"n_embd": 2 * cfg["n_embd"]}))
     with pytest.raises(ValueError, match=r"^\S*draft cannot be loaded \(its weights' shapes do not fit its config.json"):
+        load_pair(path)
+    config.write_text(json.dumps(cfg))
+    tokenizer = tmp_path / "target" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:300])
+    with pytest.raises(ValueError, match=r"^\S*target: its tokenizer cannot be read \(JSONDecodeError: .*\): copy"):
         load_pair(path)
 
 
