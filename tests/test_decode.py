@@ -325,7 +325,7 @@ def run_generate(capsys, *args):
     (["--max_new_tokens", "-3"], "max_new_tokens"), (["--max_new_tokens", "0"], "max_new_tokens"),
     (["--temperature", "-0.5"], "temperature"), (["--temperature", "nan"], "temperature"),
     (["--temperature", ".nan"], "temperature"), (["--temperature", ".inf"], "temperature"), (["--top_p", ".nan"], "top_p"), (["--top_p", "0"], "top_p"), (["--top_p", "1.5"], "top_p"),
-    (["--policy", "FixedK", "--policy.k", "0"], "k must"), (["--rule", "FSD", "--rule.threshold", "-1"], "threshold"),
+    (["--policy", "FixedK", "--policy.k", "0"], "FixedK's k is a whole number"), (["--rule", "FSD", "--rule.threshold", "-1"], "threshold"),
 ])
 def test_cli_rejects_out_of_range_numbers_with_one_line(tiny_pair_yaml, args, option, capsys):
     code, _, lines = run_generate(capsys, "--pair", str(tiny_pair_yaml), "--prompt", "abc(", *args)
