@@ -113,9 +113,10 @@ class ModelSpec:
                              "target's embeddings is a folder exported by python -m train.distill")
         if local.exists():
             return str(local)
-        if Path(self.path).is_absolute() or self.path.count("/") != 1 or self.path.startswith((".", "~")):
+        # what is not there locally is a hub id (gpt2, owner/name); a path no hub id can be is a missing folder
+        if Path(self.path).is_absolute() or self.path.count("/") > 1 or self.path.startswith((".", "~")):
             raise ValueError(f"{self.path}: no model folder there (a model is a folder relative to the repository "
-                             "root, a hub id owner/name, or pip:PACKAGE==VERSION/PATH.gguf)")
+                             "root, a hub id such as owner/name, or pip:PACKAGE==VERSION/PATH.gguf)")
         return self.path
 
 
