@@ -28,7 +28,7 @@ from decode.rounds import Round, Texts, prepare, round_limit
 from decode.rules.chain import Rule, greedy_rows
 from decode.rules.tree import check_tree
 from decode.sampling import argmax, pick_rows, transform
-from decode.streams import Streams
+from decode.streams import Streams, check_seed
 from decode.tree.round import tree_round
 from decode.tree.shapes import TreeShape
 
@@ -53,7 +53,8 @@ class BatchDecoder:
         self.control = control_of(policy)
         if isinstance(self.control, TreeShape):
             check_tree(pair, rule)
-        self.pair, self.policy, self.rule, self.seed, self.cost_sizes = pair, policy, rule, seed, cost_sizes
+        self.pair, self.policy, self.rule, self.cost_sizes = pair, policy, rule, cost_sizes
+        self.seed = check_seed(seed)
         self.now = clock(pair.device)
         # a policy's or a control's head (a tree's, the controller's own); a per-row CostAwareStop prices rounds at
         # batch 1
@@ -269,7 +270,7 @@ class BatchAutoregressive:
     reference batched speculative output is compared with."""
 
     def __init__(self, pair: Pair, which: str = "target", seed: int = 0):
-        self.pair, self.which, self.seed = pair, which, seed
+        self.pair, self.which, self.seed = pair, which, check_seed(seed)
         self.now = clock(pair.device)
 
     @torch.no_grad()

@@ -136,7 +136,7 @@ def specdecpp_assistant(draft, head_dir: str, h: float = 0.7, max_len: int = 20,
                                allow_sampling_mismatch=allow_sampling_mismatch)
         if not line:
             policy.set_costs(*costs)
-    recorded = policy.config.get("draft", {})
+    recorded = policy.config.get("draft") or {}
     vocab = len(tokenizer) if tokenizer is not None else recorded.get("vocab_size")
     policy.bind(model_identity(draft, vocab, recorded.get("path", "")))
     stop = HeadStop(policy, vocab)

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import pickle
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class Sampling:
     @classmethod
     def of(cls, raw: dict | Sampling) -> Sampling:
         """A Sampling from a dict of its fields (as recorded in metadata and head configs)."""
+        if not isinstance(raw, (dict, Sampling)):
+            raise ValueError(f"a sampling setting is a mapping of temperature, top_k and top_p, got {raw!r}")
         return raw if isinstance(raw, Sampling) else cls(**{k: raw[k] for k in ("temperature", "top_k", "top_p") if k in raw})
 
     def head_suffix(self, own: Sampling) -> str:
@@ -107,7 +110,7 @@ class ModelSpec:
 
         if is_gguf(self.path):
             return str(hf_folder(self.path, ROOT))
-        local = ROOT / self.path
+        local = ROOT / Path(self.path).expanduser()
         if self.embeddings == "target" and not (local / "config.json").is_file():
             raise ValueError(f"{self.path} is not a model folder (no config.json there): a draft that shares the "
                              "target's embeddings is a folder exported by python -m train.distill")
@@ -319,9 +322,10 @@ def read_tokenizer(where: str, revision: str | None):
 
     try:
         return AutoTokenizer.from_pretrained(where, revision=revision)
-    except (OSError, ValueError) as e:  # json's decode error is a ValueError
-        raise ValueError(f"{where}: its tokenizer cannot be read ({type(e).__name__}: {first_line(e)}): copy its "
-                         "tokenizer files again") from e
+    except Exception as e:  # noqa: BLE001  (the tokenizers library raises bare Exceptions, KeyErrors, json's errors)
+        raise ValueError(f"{where}: its tokenizer cannot be loaded ({type(e).__name__}: {first_line(e)}): the folder "
+                         "needs the model's config.json and tokenizer files, readable (a hub id: fetched once, online)") \
+            from e
 
 
 def load_config(spec: ModelSpec):
@@ -334,6 +338,11 @@ def check_positions(config, name: str, max_context: int) -> None:
     """Refuse, in one line, a max_context past a model's positions: a learned position table would fail inside torch
     once a sequence grows past it, and rotary positions past it were never trained."""
     most = getattr(config, "max_position_embeddings", None)
+    for rope in (getattr(config, "rope_scaling", None), getattr(config, "rope_parameters", None)):
+        # rotary positions scaled past the trained ones (YaRN, linear, dynamic) serve factor times as many
+        if isinstance(most, int) and isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default":
+            most = int(most * float(rope.get("factor") or 1.0))
+            break
     if isinstance(most, int) and max_context > most:
         raise ValueError(f"max_context {max_context} is longer than the {name}'s {most} positions "
                          f"(max_position_embeddings in its config.json): set max_context to at most {most} in the pair's "
@@ -354,14 +363,17 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=
             model, info = AutoModelForCausalLM.from_pretrained(
                 where, dtype=getattr(torch, spec.dtype), device_map=spec.device_map, revision=spec.revision,
                 output_loading_info=True)
-        except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a missing, corrupt or misfit file
+        except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, SafetensorError) as e:
             why = ("its weights' shapes do not fit its config.json" if "ignore_mismatched_sizes" in str(e)
                    else first_line(e))  # (transformers prints the shapes in a report of its own above)
             raise ValueError(f"{where} cannot be loaded ({why}): copy or export the model again") from e
-        if info["missing_keys"]:  # transformers would initialise them at random, silently
-            raise ValueError(f"{where}: its weights lack {len(info['missing_keys'])} tensors its config.json asks for "
-                             f"({', '.join(sorted(info['missing_keys'])[:3])}...): the config and the weights are not "
-                             "of one model")
+        # transformers would initialise missing tensors at random and drop unexpected ones, silently
+        for kind, keys in (("lack", info["missing_keys"]), ("hold", info["unexpected_keys"])):
+            if keys:
+                what = "asks for" if kind == "lack" else "does not name"
+                raise ValueError(f"{where}: its weights {kind} {len(keys)} tensors its config.json {what} "
+                                 f"({', '.join(sorted(keys)[:3])}...): the config and the weights are not of one "
+                                 "model")
     if spec.device_map is None and device is not None:  # (a device_map needs accelerate; .to does not)
         model.to(device)
     if spec.head_tokens:

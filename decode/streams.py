@@ -38,6 +38,13 @@ def mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def check_seed(seed) -> int:
+    """A seed as a Python int (numpy integers welcome), or a one-line ValueError for one that is no whole number."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"a seed is a whole number, got {seed!r}")
+    return int(seed)
+
+
 class Streams:
     """Rows' uniform streams: draw(counts) -> (sum of counts,) float64 uniforms in [0, 1) on `device`, row by row.
 
@@ -46,10 +53,7 @@ class Streams:
     """
 
     def __init__(self, seeds: Sequence[int], device: torch.device | str = "cpu"):
-        bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, (int, np.integer))]
-        if bad:
-            raise ValueError(f"a seed is a whole number, got {bad[0]!r}")
-        self.key = mix(np.array([s & _MASK for s in seeds], dtype=np.uint64))
+        self.key = mix(np.array([check_seed(s) & _MASK for s in seeds], dtype=np.uint64))
         self.count = np.zeros(len(seeds), dtype=np.uint64)  # uniforms each row has drawn
         self.ids = np.arange(len(seeds))
         self.device = torch.device(device)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from decode.batch import BatchAutoregressive, BatchDecoder
-from decode.engine import SpeculativeDecoder
+from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.pair import load_pair
 from decode.policies import FixedK
 from decode.rules.chain import GreedyMatch, SpeculativeSampling
@@ -148,9 +148,16 @@ def test_a_fixed_k_or_a_seed_that_is_no_whole_number_is_refused_in_one_line(pyco
         with pytest.raises(ValueError, match=rf"^FixedK's k is a whole number in 1..64 .*got {k!r}$"):
             FixedK(k)
     assert FixedK(np.int64(3)).k == 3 and type(FixedK(np.int64(3)).k) is int
-    for seed in (None, "a", 1.5):
-        with pytest.raises(ValueError, match=rf"^a seed is a whole number, got {seed!r}$"):
-            SpeculativeDecoder(pycode.with_sampling(temperature=0.0), FixedK(2), GreedyMatch(), seed=seed)
+    greedy = pycode.with_sampling(temperature=0.0)
+    for seed in (None, "a", 1.5, True):
+        for make in (lambda s: SpeculativeDecoder(greedy, FixedK(2), GreedyMatch(), seed=s),
+                     lambda s: BatchDecoder(greedy, FixedK(2), GreedyMatch(), seed=s),
+                     lambda s: BatchAutoregressive(greedy, seed=s), lambda s: Autoregressive(greedy, seed=s)):
+            with pytest.raises(ValueError, match=rf"^a seed is a whole number, got {seed!r}$"):
+                make(seed)
+    sampled, ids = pycode.with_sampling(temperature=1.0), pycode.encode("def f(x):")
+    assert SpeculativeDecoder(sampled, FixedK(2), SpeculativeSampling(), seed=np.int64(3)).generate(ids, 8).tokens == \
+        SpeculativeDecoder(sampled, FixedK(2), SpeculativeSampling(), seed=3).generate(ids, 8).tokens
 
 
 def test_tree_shapes_refuse_bad_sizes_in_one_line():

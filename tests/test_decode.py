@@ -202,6 +202,7 @@ def test_greedy_match_under_sampling_is_refused_in_one_line(tiny_pair):
                                              r"it would decode greedily instead of sampling: use SpeculativeSampling"):
             make(sampled, FixedK(2), GreedyMatch())
     SpeculativeDecoder(tiny_pair.with_sampling(temperature=0.0), FixedK(2), GreedyMatch())  # greedy: served
+    SpeculativeDecoder(tiny_pair.with_sampling(temperature=0.7, top_k=1), FixedK(2), GreedyMatch())  # the argmax too
 
 
 def test_cache_rollback_equals_fresh_forward(tiny_pair):
@@ -244,6 +245,9 @@ def test_bad_input_errors(tiny_pair, tmp_path):
     del cfg["draft"]["weights"]  # a head exported before heads recorded the weights: loads as before
     (Path(other) / "config.json").write_text(json.dumps(cfg))
     SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
+    (Path(other) / "config.json").write_text(json.dumps(cfg | {"sampling": None}))  # hand-edited: no setting recorded
+    with pytest.raises(ValueError, match=r"^head \S*other's config.json: a sampling setting is a mapping .*got None; "):
+        SpeculativeDecoder(tiny_pair, SpecDecPP(other), SpeculativeSampling())
     # a config naming other extras than its weights read: refused at bind, not by the kernel mid-decode
     (Path(other) / "config.json").write_text(json.dumps(cfg | {"features": {"position": "own", "extras": ["draft_top1"]}}))
     with pytest.raises(HeadMismatch, match="reads 32 features, but this draft.s state of 32 and the 1 extras .* make 33"):

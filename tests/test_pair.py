@@ -92,11 +92,36 @@ def test_a_missing_corrupt_or_misfit_model_is_refused_in_one_line(tmp_path):
     config.write_text(json.dumps(cfg | {"n_embd": 2 * cfg["n_embd"]}))
     with pytest.raises(ValueError, match=r"^\S*draft cannot be loaded \(its weights' shapes do not fit its config.json"):
         load_pair(path)
+    config.write_text(json.dumps(cfg | {"n_layer": cfg["n_layer"] - 1}))  # the last layer's tensors would be dropped
+    with pytest.raises(ValueError, match=r"^\S*draft: its weights hold \d+ tensors its config.json does not name"):
+        load_pair(path)
     config.write_text(json.dumps(cfg))
     tokenizer = tmp_path / "target" / "tokenizer.json"
-    tokenizer.write_text(tokenizer.read_text()[:300])
-    with pytest.raises(ValueError, match=r"^\S*target: its tokenizer cannot be read \(JSONDecodeError: .*\): copy"):
+    text = tokenizer.read_text()
+    for broken, error in ((text[:300], "JSONDecodeError"), ("{}", "KeyError")):
+        tokenizer.write_text(broken)
+        with pytest.raises(ValueError, match=rf"^\S*target: its tokenizer cannot be loaded \({error}: .*\): the folder"):
+            load_pair(path)
+    tokenizer.write_text(text)
+    (tmp_path / "draft" / "model.safetensors").unlink()  # an older checkpoint's pickled weights, cut short
+    (tmp_path / "draft" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^\S*draft cannot be loaded \(.*\): copy or export the model again"):
         load_pair(path)
+
+
+def test_rotary_positions_scaled_past_the_trained_ones_serve_a_longer_context():
+    from transformers import LlamaConfig
+
+    from decode.pair import check_positions
+
+    plain = LlamaConfig(max_position_embeddings=128)
+    yarn = LlamaConfig(max_position_embeddings=128, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                  "original_max_position_embeddings": 128})
+    check_positions(plain, "target", 128)
+    check_positions(yarn, "target", 512)
+    for config, most in ((plain, 128), (yarn, 512)):
+        with pytest.raises(ValueError, match=rf"^max_context {most + 1} is longer than the target's {most} positions"):
+            check_positions(config, "target", most + 1)
 
 
 def test_the_weights_digest_tells_a_retrained_draft_and_not_a_dtype(tiny_pair):

@@ -34,7 +34,7 @@ def matching_heads(head_dir: str, config: dict, setting: str) -> list[str]:
             cfg = json.loads(cfg_path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if isinstance(cfg, dict) and "sampling" in cfg and Sampling.of(cfg["sampling"]).name == setting and \
+        if isinstance(cfg, dict) and isinstance(cfg.get("sampling"), dict) and Sampling.of(cfg["sampling"]).name == setting and \
                 _kind(cfg) == _kind(config) and cfg_path.parent != here.resolve():
             out.append(str(here.parent / cfg_path.parent.name))
     return out
@@ -114,7 +114,10 @@ class HeadPolicy(Policy):
                                "export it again")
         if sampling is None or "sampling" not in self.config:
             return
-        trained, used = Sampling.of(self.config["sampling"]).name, sampling.name
+        try:
+            trained, used = Sampling.of(self.config["sampling"]).name, sampling.name
+        except ValueError as e:  # a hand-edited config.json
+            raise ValueError(f"head {self.head_dir}'s config.json: {e}; export the head again") from e
         if trained == used:
             return
         others = matching_heads(self.head_dir, self.config, used)

@@ -137,7 +137,7 @@ class GreedyMatch(Rule):
 
     def check(self, s: Sampling) -> None:
         # it reads the target's argmax alone: under sampling it would decode greedily while calling itself lossless
-        if s.temperature > 0:
+        if s.temperature > 0 and s.top_k != 1:  # (top_k 1 samples the argmax: greedy)
             raise ValueError(f"GreedyMatch accepts only the target's argmax, so at temperature {s.temperature:g} it "
                              "would decode greedily instead of sampling: use SpeculativeSampling (lossless at any "
                              "temperature), or set the pair's temperature to 0")

@@ -1,6 +1,6 @@
 """HeadTree: a token tree shaped each round by a trained sibling head and the machine's measured step costs.
 
-    BatchDecoder(pair, HeadTree("checkpoints/specdecpp-tree-greedy"), GreedyMatch())
+    BatchDecoder(pair.with_sampling(temperature=0.0), HeadTree("checkpoints/specdecpp-tree-greedy"), GreedyMatch())
     SpeculativeDecoder(pair, HeadTree("checkpoints/specdecpp-tree"), SpeculativeSampling())  # T = 1, the pair's own
 
 The head (trained by `python -m train fit --config heads/pycode/specdecpp-tree.yaml`, on data_gen's sibling labels) reads

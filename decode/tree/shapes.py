@@ -1,6 +1,6 @@
 """Tree shapes: which nodes a round's token tree grows and which it sends to the target (docs/design.md, Token trees).
 
-    BatchDecoder(pair, SequoiaTree([0.72, 0.15, 0.04], nodes=15, depth=6), GreedyMatch())
+    BatchDecoder(pair.with_sampling(temperature=0.0), SequoiaTree([0.72, 0.15, 0.04], nodes=15, depth=6), GreedyMatch())
     BatchDecoder(pair, ConfidenceTree(top_k=4, depth=6, nodes=16), SpeculativeSampling())
 
 A shape is a decode.control.BatchControl, so decode.batch.BatchDecoder (and SpeculativeDecoder, through a
