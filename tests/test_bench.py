@@ -114,7 +114,8 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
     import decode.evaluation.bench as bench
 
     for f, text in (("decode/engine.py", "v1"), ("heads/head.py", "h1"), ("ck/h/config.json", "{}"),
-                    ("ck/h/model.safetensors", "w1")):
+                    ("ck/h/model.safetensors", "w1"), ("decode/policies/__init__.py", "p1"),
+                    ("decode/evaluation/compare.py", "c1")):
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text(text)
     monkeypatch.setattr(bench, "ROOT", tmp_path)
@@ -126,8 +127,11 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
     retrained = bench.fingerprint(with_head)
     assert retrained != first and bench.fingerprint(with_head[:1]) == bench.fingerprint(with_head[:1])
     without = bench.fingerprint(with_head[:1])
-    (tmp_path / "decode/compare.py").write_text("c2")  # reads saved rows, makes none: the split still resumes
+    (tmp_path / "decode/evaluation/compare.py").write_text("c2")  # reads saved rows, makes none: the split resumes
     assert bench.fingerprint(with_head) == retrained and bench.fingerprint(with_head[:1]) == without
+    (tmp_path / "decode/policies/__init__.py").write_text("p2")  # names the class a config's class_path loads
+    assert bench.fingerprint(with_head) != retrained and bench.fingerprint(with_head[:1]) != without
+    retrained, without = bench.fingerprint(with_head), bench.fingerprint(with_head[:1])
     (tmp_path / "decode/engine.py").write_text("v2")  # an engine change
     assert bench.fingerprint(with_head) != retrained and bench.fingerprint(with_head[:1]) != without
 

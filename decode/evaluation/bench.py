@@ -54,9 +54,12 @@ __all__ = ["ROOT", "Method", "BadBenchConfig", "build", "choose", "choose_by_rep
            "encode_prompts", "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config",
            "replayable", "rows_of", "run", "run_split", "save_json", "split_files", "work_key", "write_outputs"]
 
-# decode modules that read, compare or present a split's saved rows and never make them: a change to them
-# re-renders the tables from the saved splits instead of decoding all twelve again (an hour on this machine)
-PRESENTS_ROWS = ("__init__.py", "__main__.py", "compare.py", "goals.py", "report.py", "summary.py")
+# decode modules (paths under decode/) that read, compare or present a split's saved rows and never make them: a
+# change to them re-renders the tables from the saved splits instead of decoding every split again (two hours on a
+# 2-core CPU). By path: decode/policies/__init__.py and decode/control/__init__.py say which class a config's
+# class_path names, so they make rows
+PRESENTS_ROWS = ("__init__.py", "__main__.py", "evaluation/__init__.py", "evaluation/compare.py", "evaluation/goals.py",
+                 "evaluation/report.py", "evaluation/summary.py")
 
 
 def fingerprint(methods: list[Method]) -> str:
@@ -75,12 +78,13 @@ def code_fingerprint(head_dirs: list[str]) -> str:
     import transformers
 
     h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
-    files = [f for f in sorted((ROOT / "decode").rglob("*.py")) if f.name not in PRESENTS_ROWS]
+    files = [f for f in sorted((ROOT / "decode").rglob("*.py"))
+             if f.relative_to(ROOT / "decode").as_posix() not in PRESENTS_ROWS]
     files += sorted((ROOT / "heads").glob("*.py"))
     for head in dict.fromkeys(head_dirs):  # ROOT / an absolute path is it; a head not (wholly) there hashes as such
         files += [f for f in (ROOT / head / "config.json", ROOT / head / "model.safetensors") if f.exists()]
     for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}:".encode())
+        h.update(f"{f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else f.name}:{f.stat().st_size}:".encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 
