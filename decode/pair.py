@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from decode.checks import first_line
+
 ROOT = Path(__file__).resolve().parents[1]
 # Compared token by token between the two tokenizers: code, prose, digits, unicode, spaces.
 PROBE = "def f(x):\n    return x ** 2  # héllo, wörld 12345 \t{[()]}"
@@ -390,13 +392,6 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, donor=
         if isinstance(module, PreTrainedModel):
             module.warn_if_padding_and_no_attention_mask = lambda *args, **kwargs: None
     return model
-
-
-def first_line(e: Exception) -> str:
-    """An error's first non-empty line, whitespace folded and cut to 200 characters (a library's report can run to
-    dozens of lines)."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return " ".join((lines[0] if lines else type(e).__name__).split())[:200]
 
 
 def with_donor_embeddings(spec: ModelSpec, donor):

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from decode.checks import is_whole
+
 _MASK = (1 << 64) - 1
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (the odd integer nearest 2^64 / golden ratio)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -40,7 +42,7 @@ def mix_int(z: int) -> int:
 
 def check_seed(seed) -> int:
     """A seed as a Python int (numpy integers welcome), or a one-line ValueError for one that is no whole number."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    if not is_whole(seed):
         raise ValueError(f"a seed is a whole number, got {seed!r}")
     return int(seed)
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from decode import labels as L
+from decode.checks import is_whole
 from heads import kernels
 
 _SCRATCH: dict[tuple, np.ndarray] = {}  # draft_scalars' work arrays by shape: fresh (R, V) arrays each step cost more
@@ -143,7 +143,7 @@ class FixedK(Policy):
     """Draft exactly k candidates per round (classic speculative decoding)."""
 
     def __init__(self, k: int = 4):
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= 64:
+        if not is_whole(k) or not 1 <= k <= 64:
             raise ValueError(f"FixedK's k is a whole number in 1..64 (K < 1 drafts nothing), got {k!r}")
         k = int(k)
         self.k = self.max_len = k

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decode.checks import is_whole
 from decode.control import BatchControl
 
 
@@ -165,7 +166,7 @@ def _rank_paths(paths) -> list[tuple[int, ...]]:
         if hasattr(p, "tolist"):
             p = p.tolist()
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not all(
-                isinstance(j, numbers.Integral) and not isinstance(j, bool) and j >= 0 for j in p):
+                is_whole(j) and j >= 0 for j in p):
             raise bad
         out.append(tuple(int(j) for j in p))
     return out
@@ -288,5 +289,5 @@ def counted(picked: Sequence[tuple[float, int, int]], n: int) -> list[int]:
 def _check_sizes(name: str, **sizes) -> None:
     """Each size a whole number >= 1 (numpy's integers too), or a one-line ValueError naming it."""
     for key, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        if not is_whole(v) or v < 1:
             raise ValueError(f"{name} needs {key} to be a whole number >= 1, got {v!r}")
