@@ -182,8 +182,16 @@ def check_vocabularies(draft_tok, target_tok) -> int:
             f"draft vocabulary has {nd} tokens, target vocabulary has {nt}: speculative decoding needs "
             "one shared tokenizer. Pick a draft from the target's model family."
         )
+    vocab_d, vocab_t = draft_tok.get_vocab(), target_tok.get_vocab()
+    if vocab_d != vocab_t:  # the probe below reads a few dozen tokens; ids can differ anywhere else
+        moved = [t for t in sorted(vocab_d, key=vocab_d.get) if vocab_t.get(t) != vocab_d[t]]
+        shown = ", ".join(f"{t!r} is {vocab_d[t]} in the draft, {vocab_t.get(t)} in the target" for t in moved[:3])
+        raise VocabularyMismatch(
+            f"draft and target have {nd} tokens each but {len(moved)} of them have other ids ({shown}): they are "
+            "different tokenizers. Pick a draft from the target's model family."
+        )
     ids_d, ids_t = draft_tok.encode(PROBE), target_tok.encode(PROBE)
-    if ids_d != ids_t:
+    if ids_d != ids_t:  # one vocabulary, other normalisation or merges
         raise VocabularyMismatch(
             f"draft and target have {nd} tokens each but tokenize {PROBE!r} differently "
             f"({ids_d[:8]}... vs {ids_t[:8]}...): they are different tokenizers."
@@ -333,7 +341,13 @@ def read_tokenizer(where: str, revision: str | None):
 def load_config(spec: ModelSpec):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(spec.resolved(), revision=spec.revision)
+    where = spec.resolved()
+    try:
+        return AutoConfig.from_pretrained(where, revision=spec.revision)
+    except (OSError, ValueError, KeyError) as e:  # no config.json, or a model_type this transformers does not know
+        raise ValueError(f"{where}: its config.json cannot be read ({first_line(e)}): the folder needs the model's "
+                         "config.json, with a model_type this transformers knows (pip install -U transformers for a "
+                         "newer family)") from None
 
 
 def check_positions(config, name: str, max_context: int) -> None:

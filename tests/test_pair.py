@@ -30,6 +30,16 @@ def test_same_size_different_tokens_is_refused(tmp_path):
         load_pair(path)
 
 
+def test_two_ids_swapped_outside_the_probe_text_are_refused(tmp_path):
+    """Same size, same probe encoding ('a' and 'b' appear nowhere in it), but two tokens trade ids: p and q would be
+    compared token for token across different tokens, so loading refuses the pair and names what moved."""
+    swapped = list(ALPHABET)
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    path = write_tiny_pair(tmp_path, draft_alphabet=swapped)
+    with pytest.raises(VocabularyMismatch, match=r"2 of them have other ids \(.*'a' is \d+ in the draft, \d+ in the target"):
+        load_pair(path)
+
+
 def test_mismatch_is_found_before_models_load(tmp_path, monkeypatch):
     import decode.pair as pair_mod
 
@@ -103,6 +113,15 @@ def test_a_missing_corrupt_or_misfit_model_is_refused_in_one_line(tmp_path):
         with pytest.raises(ValueError, match=rf"^\S*target: its tokenizer cannot be loaded \({error}: .*\): the folder"):
             load_pair(path)
     tokenizer.write_text(text)
+    for broken in (cfg | {"model_type": "no-such-family"}, None):  # a family transformers does not know, no config
+        if broken is None:
+            config.unlink()
+        else:
+            config.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=r"^\S*draft: its config.json cannot be read \(.*\): the folder needs") as e:
+            load_pair(path)
+        assert "\n" not in str(e.value)
+    config.write_text(json.dumps(cfg))
     (tmp_path / "draft" / "model.safetensors").unlink()  # an older checkpoint's pickled weights, cut short
     (tmp_path / "draft" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"^\S*draft cannot be loaded \(.*\): copy or export the model again"):
