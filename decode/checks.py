@@ -1,5 +1,5 @@
-"""The shared pieces of decode's one-line refusals: what counts as a whole number, and the line of a library's
-error worth quoting."""
+"""The shared pieces of decode's one-line refusals: what counts as a whole or a real number, and the line of a
+library's error worth quoting."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import numbers
 def is_whole(v) -> bool:
     """A whole number: Python's or numpy's integers, never a bool (True is 1 to Python, a mistake to a caller)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    """A real number: Python's or numpy's, never a bool (a comparison with a string fails inside Python, not here)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def first_line(e: Exception) -> str:

@@ -36,12 +36,16 @@ def from_pretrained(directory: str | Path) -> tuple[Head, dict]:
     if not cfg_path.exists() or not weights.exists():
         raise FileNotFoundError(f"{directory} is not a head checkpoint (needs config.json and model.safetensors)")
     try:
-        config = json.loads(cfg_path.read_text())
-        cls = HEAD_TYPES[config["head_type"]]
-        head = cls(**config["init_args"])
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        kind = config["head_type"]
+        if kind not in HEAD_TYPES:
+            raise ValueError(f"unknown head_type {kind!r}, not one of {sorted(HEAD_TYPES)}")
+        head = HEAD_TYPES[kind](**config["init_args"])
         head.load_state_dict(load_file(str(weights)))
-    except (json.JSONDecodeError, KeyError, TypeError, SafetensorError, RuntimeError) as e:
-        raise ValueError(f"head checkpoint {directory} is corrupt or incomplete: {e}") from e
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, RuntimeError) as e:  # ValueError: bad JSON too
+        # one line: torch's state-dict report lists every missing and unexpected key on lines of their own
+        reason = f"no {e} entry in config.json" if isinstance(e, KeyError) else " ".join(str(e).split())[:200]
+        raise ValueError(f"head checkpoint {directory} is corrupt or incomplete ({reason}): export it again") from e
     return head.eval().requires_grad_(False), config
 
 

@@ -257,6 +257,19 @@ def test_bad_input_errors(tiny_pair, tmp_path):
         (Path(other) / "config.json").write_text(json.dumps(broken))
         with pytest.raises(ValueError, match="corrupt or incomplete"):
             SpecDecPP(other)
+    # the weights' shapes against another depth, a head type or feature position no export writes, bytes that are no
+    # text: one line naming the folder and the fix (torch's state-dict report alone runs to several lines)
+    depth = cfg["init_args"].get("depth", 1) + 1
+    for broken in (json.dumps(cfg | {"init_args": cfg["init_args"] | {"depth": depth}}).encode(),
+                   json.dumps(cfg | {"head_type": "Nope"}).encode(),
+                   json.dumps(cfg | {"features": {"position": "nowhere", "extras": []}}).encode(), b"\xff\xfe{"):
+        (Path(other) / "config.json").write_bytes(broken)
+        with pytest.raises(ValueError, match=r"^head checkpoint \S*other .*corrupt or incomplete .*export it again$") as e:
+            SpecDecPP(other)
+        assert "\n" not in str(e.value)
+    (Path(other) / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="h must be a number in \\(0, 1\\), got 'a'"):
+        SpecDecPP(other, h="a")
 
 
 def test_generate_cli_streams_text_and_metrics(tiny_pair_yaml, capsys):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from decode import labels as L
-from decode.checks import is_whole
+from decode.checks import is_real, is_whole
 from heads import kernels
 
 _SCRATCH: dict[tuple, np.ndarray] = {}  # draft_scalars' work arrays by shape: fresh (R, V) arrays each step cost more
@@ -128,14 +128,15 @@ class Policy:
 
 def check_unit(name: str, value: float, open_ends: bool = False) -> None:
     """Raise ValueError naming the argument unless value is in [0, 1] ((0, 1) with open_ends)."""
-    ok = 0 < value < 1 if open_ends else 0 <= value <= 1
+    ok = is_real(value) and (0 < value < 1 if open_ends else 0 <= value <= 1)
     if not ok:
-        raise ValueError(f"{name} must lie in {'(0, 1)' if open_ends else '[0, 1]'}, got {value:g}")
+        shown = f"{value:g}" if is_real(value) else repr(value)
+        raise ValueError(f"{name} must be a number in {'(0, 1)' if open_ends else '[0, 1]'}, got {shown}")
 
 
 def check_max_len(max_len: int) -> int:
-    if not 1 <= max_len <= 64:
-        raise ValueError(f"max_len must be in 1..64, got {max_len}")
+    if not (is_whole(max_len) and 1 <= max_len <= 64):
+        raise ValueError(f"max_len must be a whole number in 1..64, got {max_len!r}")
     return max_len
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from decode import labels as L
+from decode.checks import first_line
 from decode.pair import Sampling
 from decode.policies.base import DraftStep, Policy, check_max_len, check_unit
 from decode.sampling import as_numpy
@@ -59,11 +60,7 @@ class HeadPolicy(Policy):
 
     def __init__(self, head_dir: str, allow_sampling_mismatch: bool = False):
         head, config = from_pretrained(head_dir)
-        try:
-            self._use(head, config)
-        except (KeyError, TypeError, AttributeError) as e:  # a config.json edited by hand or cut short
-            raise ValueError(f"head checkpoint {head_dir} has a corrupt or incomplete config.json "
-                             f"({type(e).__name__}: {e}): export it again") from None
+        self._use(head, config, head_dir)
         self.head_dir, self.allow_sampling_mismatch = head_dir, allow_sampling_mismatch
 
     @classmethod
@@ -75,14 +72,18 @@ class HeadPolicy(Policy):
         self.head_dir, self.allow_sampling_mismatch = "(in memory)", False
         return self
 
-    def _use(self, head, config: dict) -> None:
+    def _use(self, head, config: dict, where: str = "(in memory)") -> None:
         self.head, self.config = head, config
-        self.features = FeatureSpec(**self.config["features"])
+        try:  # a config.json edited by hand or cut short; the kernels' warm-up below is not the config's to blame
+            self.features = FeatureSpec(**self.config["features"])
+            # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule
+            # multiplies), folded into the head's numpy path, whose cost at batch 1 is dispatch
+            cal = self.config.get("calibration") or {"a": 1.0, "b": 0.0}
+            self.fast_prob = self.head.inference_fn(cal["a"], cal["b"])
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"head checkpoint {where} has a corrupt or incomplete config.json "
+                             f"({type(e).__name__}: {first_line(e)}): export it again") from None
         self.reads_own_state = self.features.position == "own"
-        # Platt scaling fitted on dev at export (weighted BCE skews the raw probabilities that a rule multiplies),
-        # folded into the head's numpy path, whose cost at batch 1 is dispatch
-        cal = self.config.get("calibration") or {"a": 1.0, "b": 0.0}
-        self.fast_prob = self.head.inference_fn(cal["a"], cal["b"])
         self.run = 0  # accepted positions right before this round's first candidate (the extra accepted_run)
         self._extras = np.empty(len(self.features.extras), dtype=np.float32)  # prob()'s, rewritten per candidate
         self._codes = np.array([EXTRAS.index(e) for e in self.features.extras], dtype=np.int64)
