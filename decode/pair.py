@@ -182,13 +182,20 @@ def check_vocabularies(draft_tok, target_tok) -> int:
             f"draft vocabulary has {nd} tokens, target vocabulary has {nt}: speculative decoding needs "
             "one shared tokenizer. Pick a draft from the target's model family."
         )
-    vocab_d, vocab_t = draft_tok.get_vocab(), target_tok.get_vocab()
-    if vocab_d != vocab_t:  # the probe below reads a few dozen tokens; ids can differ anywhere else
-        moved = [t for t in sorted(vocab_d, key=vocab_d.get) if vocab_t.get(t) != vocab_d[t]]
-        shown = ", ".join(f"{t!r} is {vocab_d[t]} in the draft, {vocab_t.get(t)} in the target" for t in moved[:3])
+    # The probe below reads a few dozen tokens; ids can differ anywhere else. An id whose token is spelled otherwise
+    # (a GGUF conversion writes a byte token as <0x0A> where a tokenizer.json has its byte-level letter) is the
+    # same token if it decodes to the same text.
+    spelled_d = {i: t for t, i in draft_tok.get_vocab().items()}
+    spelled_t = {i: t for t, i in target_tok.get_vocab().items()}
+    differ = [i for i in sorted(spelled_d.keys() | spelled_t.keys()) if spelled_d.get(i) != spelled_t.get(i)
+              and draft_tok.decode([i]) != target_tok.decode([i])]
+    if differ:
+        shown = ", ".join(f"id {i} is {draft_tok.decode([i])!r} in the draft, {target_tok.decode([i])!r} in the target"
+                          for i in differ[:3])
         raise VocabularyMismatch(
-            f"draft and target have {nd} tokens each but {len(moved)} of them have other ids ({shown}): they are "
-            "different tokenizers. Pick a draft from the target's model family."
+            f"draft and target have {nd} tokens each but {len(differ)} "
+            f"{'ids stand' if len(differ) > 1 else 'id stands'} for other text ({shown}): they "
+            "are different tokenizers. Pick a draft from the target's model family."
         )
     ids_d, ids_t = draft_tok.encode(PROBE), target_tok.encode(PROBE)
     if ids_d != ids_t:  # one vocabulary, other normalisation or merges

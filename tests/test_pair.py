@@ -32,12 +32,42 @@ def test_same_size_different_tokens_is_refused(tmp_path):
 
 def test_two_ids_swapped_outside_the_probe_text_are_refused(tmp_path):
     """Same size, same probe encoding ('a' and 'b' appear nowhere in it), but two tokens trade ids: p and q would be
-    compared token for token across different tokens, so loading refuses the pair and names what moved."""
+    compared token for token across different tokens, so loading refuses the pair and names what moved. Spelled
+    otherwise but decoding to the same text (a GGUF conversion's <0x0A> for a byte-level letter), an id is the same
+    token."""
     swapped = list(ALPHABET)
     swapped[0], swapped[1] = swapped[1], swapped[0]
     path = write_tiny_pair(tmp_path, draft_alphabet=swapped)
-    with pytest.raises(VocabularyMismatch, match=r"2 of them have other ids \(.*'a' is \d+ in the draft, \d+ in the target"):
+    with pytest.raises(VocabularyMismatch, match=r"2 ids stand for other text \(id \d+ is '\w' in the draft, '\w' in the target"):
         load_pair(path)
+
+
+def test_a_token_spelled_otherwise_that_decodes_alike_is_the_same_token():
+    """A GGUF conversion spells byte tokens <0x0A> where a tokenizer.json spells them with byte-level letters: the
+    ids mean the same text, so the pair stands; an id that decodes to other text does not."""
+    from decode.pair import check_vocabularies
+
+    class Tok:
+        def __init__(self, spelled: dict[int, str], text: dict[int, str]):
+            self.spelled, self.text = spelled, text
+
+        def __len__(self):
+            return len(self.spelled)
+
+        def get_vocab(self):
+            return {t: i for i, t in self.spelled.items()}
+
+        def decode(self, ids):
+            return "".join(self.text[i] for i in ids)
+
+        def encode(self, text):
+            return [0]
+
+    text = {0: "a", 1: "\n", 2: "b"}
+    hf, gguf = Tok({0: "a", 1: "Ċ", 2: "b"}, text), Tok({0: "a", 1: "<0x0A>", 2: "b"}, text)
+    assert check_vocabularies(gguf, hf) == 3
+    with pytest.raises(VocabularyMismatch, match=r"1 id stands for other text \(id 2 is 'c' in the draft, 'b' in"):
+        check_vocabularies(Tok({0: "a", 1: "<0x0A>", 2: "c"}, text | {2: "c"}), hf)
 
 
 def test_mismatch_is_found_before_models_load(tmp_path, monkeypatch):
