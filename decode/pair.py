@@ -18,10 +18,9 @@ import torch
 import yaml
 
 from decode.checks import first_line
+from decode.vocab import VocabularyMismatch, check_vocabularies
 
 ROOT = Path(__file__).resolve().parents[1]
-# Compared token by token between the two tokenizers: code, prose, digits, unicode, spaces.
-PROBE = "def f(x):\n    return x ** 2  # héllo, wörld 12345 \t{[()]}"
 
 
 @dataclass
@@ -168,42 +167,6 @@ class PairConfig:
             if not raw[role]["head_tokens"]:
                 del raw[role]["head_tokens"]
         return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:12]
-
-
-class VocabularyMismatch(ValueError):
-    """The draft and target do not share token ids, so p and q cannot be compared."""
-
-
-def check_vocabularies(draft_tok, target_tok) -> int:
-    """Shared vocabulary size V, or VocabularyMismatch naming what differs."""
-    nd, nt = len(draft_tok), len(target_tok)
-    if nd != nt:
-        raise VocabularyMismatch(
-            f"draft vocabulary has {nd} tokens, target vocabulary has {nt}: speculative decoding needs "
-            "one shared tokenizer. Pick a draft from the target's model family."
-        )
-    # The probe below reads a few dozen tokens; ids can differ anywhere else. An id whose token is spelled otherwise
-    # (a GGUF conversion writes a byte token as <0x0A> where a tokenizer.json has its byte-level letter) is the
-    # same token if it decodes to the same text.
-    spelled_d = {i: t for t, i in draft_tok.get_vocab().items()}
-    spelled_t = {i: t for t, i in target_tok.get_vocab().items()}
-    differ = [i for i in sorted(spelled_d.keys() | spelled_t.keys()) if spelled_d.get(i) != spelled_t.get(i)
-              and draft_tok.decode([i]) != target_tok.decode([i])]
-    if differ:
-        shown = ", ".join(f"id {i} is {draft_tok.decode([i])!r} in the draft, {target_tok.decode([i])!r} in the target"
-                          for i in differ[:3])
-        raise VocabularyMismatch(
-            f"draft and target have {nd} tokens each but {len(differ)} "
-            f"{'ids stand' if len(differ) > 1 else 'id stands'} for other text ({shown}): they "
-            "are different tokenizers. Pick a draft from the target's model family."
-        )
-    ids_d, ids_t = draft_tok.encode(PROBE), target_tok.encode(PROBE)
-    if ids_d != ids_t:  # one vocabulary, other normalisation or merges
-        raise VocabularyMismatch(
-            f"draft and target have {nd} tokens each but tokenize {PROBE!r} differently "
-            f"({ids_d[:8]}... vs {ids_t[:8]}...): they are different tokenizers."
-        )
-    return nt
 
 
 @dataclass

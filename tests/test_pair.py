@@ -38,36 +38,42 @@ def test_two_ids_swapped_outside_the_probe_text_are_refused(tmp_path):
     swapped = list(ALPHABET)
     swapped[0], swapped[1] = swapped[1], swapped[0]
     path = write_tiny_pair(tmp_path, draft_alphabet=swapped)
-    with pytest.raises(VocabularyMismatch, match=r"2 ids stand for other text \(id \d+ is '\w' in the draft, '\w' in the target"):
+    with pytest.raises(VocabularyMismatch, match=r"2 ids stand for other bytes \(id \d+ is '\w' in the draft, '\w' in the target"):
         load_pair(path)
 
 
-def test_a_token_spelled_otherwise_that_decodes_alike_is_the_same_token():
-    """A GGUF conversion spells byte tokens <0x0A> where a tokenizer.json spells them with byte-level letters: the
-    ids mean the same text, so the pair stands; an id that decodes to other text does not."""
-    from decode.pair import check_vocabularies
+def test_an_entry_spelled_otherwise_that_holds_the_same_bytes_is_the_same_token():
+    """Transformers respells a GGUF's entries in byte-level letters where the file holds their text (a DeepSeek
+    control token, an added token written as text), and a byte can be spelled <0xNN>: the same bytes, the same token.
+    A lone byte of a multi-byte character or a sentencepiece word start traded for a plain piece is another token,
+    though each decodes alike on its own."""
+    from decode.vocab import BYTE_OF, check_vocabularies
+
+    letter = {b: c for c, b in BYTE_OF.items()}
+
+    def level(text: str) -> str:  # byte-level BPE's spelling of text
+        return "".join(letter[b] for b in text.encode("utf-8"))
 
     class Tok:
-        def __init__(self, spelled: dict[int, str], text: dict[int, str]):
-            self.spelled, self.text = spelled, text
+        def __init__(self, *entries: str):
+            self.entries = entries
 
         def __len__(self):
-            return len(self.spelled)
+            return len(self.entries)
 
         def get_vocab(self):
-            return {t: i for i, t in self.spelled.items()}
-
-        def decode(self, ids):
-            return "".join(self.text[i] for i in ids)
+            return {t: i for i, t in enumerate(self.entries)}
 
         def encode(self, text):
             return [0]
 
-    text = {0: "a", 1: "\n", 2: "b"}
-    hf, gguf = Tok({0: "a", 1: "Ċ", 2: "b"}, text), Tok({0: "a", 1: "<0x0A>", 2: "b"}, text)
-    assert check_vocabularies(gguf, hf) == 3
-    with pytest.raises(VocabularyMismatch, match=r"1 id stands for other text \(id 2 is 'c' in the draft, 'b' in"):
-        check_vocabularies(Tok({0: "a", 1: "<0x0A>", 2: "c"}, text | {2: "c"}), hf)
+    raw = Tok("a", "\n\n\n", "<0x0A>", "\u2039\uff5cbegin\u2581of\u2581sentence\uff5c>", "\u2581ab", level("\u2014")[0])
+    respelled = Tok("a", level("\n\n\n"), level("\n"), level(raw.entries[3]), "\u2581ab", level("\u2014")[0])
+    assert level("\n") == "\u010a" and check_vocabularies(raw, respelled) == 6
+    for at, other in ((4, "ab"), (5, level("\u3000")[0])):  # "ab" for "▁ab"; byte 0xE3 for 0xE2
+        swapped = Tok(*respelled.entries[:at], other, *respelled.entries[at + 1:])
+        with pytest.raises(VocabularyMismatch, match=rf"1 id stands for other bytes \(id {at} is "):
+            check_vocabularies(raw, swapped)
 
 
 def test_mismatch_is_found_before_models_load(tmp_path, monkeypatch):
