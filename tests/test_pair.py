@@ -76,6 +76,14 @@ def test_an_entry_spelled_otherwise_that_holds_the_same_bytes_is_the_same_token(
             check_vocabularies(raw, swapped)
 
 
+def test_the_byte_level_alphabet_is_transformers_own():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from decode.vocab import BYTE_OF
+
+    assert BYTE_OF == {letter: b for b, letter in bytes_to_unicode().items()}
+
+
 def test_mismatch_is_found_before_models_load(tmp_path, monkeypatch):
     import decode.pair as pair_mod
 
