@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "decode.pair": ["load_pair", "Pair", "PairConfig", "Sampling", "ModelSpec", "VocabularyMismatch"],
+    "decode.pair": ["load_pair", "Pair", "PairConfig", "Sampling", "ModelSpec"],
+    "decode.vocab": ["VocabularyMismatch"],
     "decode.engine": ["SpeculativeDecoder", "Autoregressive"],
     "decode.batch": ["BatchDecoder", "BatchAutoregressive"],
     "decode.results": ["Generation", "Stats"],
