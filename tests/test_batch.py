@@ -284,6 +284,7 @@ def test_the_batch_bench_reports_its_noise_floor_from_the_target_alone_run_twice
             row("batch controller", 8, [100.0, 200.0])]
     assert "B = 8 1.02x (0.95-1.10)." in markdown(rows)
     assert "no A/A check" in markdown(rows[:1] + rows[2:])
+    assert markdown(rows).startswith("Batch bench decoded at an unrecorded commit")  # these rows carry no provenance()
 
 
 def test_the_batch_bench_runs_every_method_once_per_batch_in_seeded_shuffled_orders():

@@ -1,10 +1,13 @@
 import csv
+import subprocess
 
 import pytest
 import torch
 import yaml
 
 from decode.evaluation.bench import expand, run
+from decode.evaluation.bench_config import ROOT
+from decode.evaluation.report import provenance
 
 TINY_BENCH = {
     "max_new_tokens": 10, "prompt_sets": [{"name": "pycode", "dev": {"split": "dev", "limit": 3},
@@ -104,6 +107,10 @@ def test_bench_prints_table_and_writes_csv_and_plots(tmp_path, capsys):
     with open(tmp_path / "out" / "bench.csv") as f:
         assert len(list(csv.DictReader(f))) > len(rows)  # test rows and the dev sweep
     assert "FSD JS T=0.1" in (tmp_path / "out" / "dev.md").read_text()
+    # each row carries what made it, and the tables' first line names it (the commit and the machine)
+    made = provenance()
+    assert all(r["commit"] == made["commit"] and r["machine"] == made["machine"] for r in rows)
+    assert f"decoded at {made['commit']} on {made['machine']}." in (tmp_path / "out" / "bench.md").read_text()
     for png in ("pareto_pycode_t1.png", "speed_quality_pycode_t1.png"):
         assert (tmp_path / "out" / png).stat().st_size > 5000
     again = run(str(path))  # every section resumes from its saved rows
@@ -134,6 +141,20 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
     retrained, without = bench.fingerprint(with_head), bench.fingerprint(with_head[:1])
     (tmp_path / "decode/engine.py").write_text("v2")  # an engine change
     assert bench.fingerprint(with_head) != retrained and bench.fingerprint(with_head[:1]) != without
+
+
+def test_provenance_names_the_commit_and_the_machine_and_a_run_made_on_two_names_both():
+    from decode.evaluation.report import made_by
+
+    made = provenance()
+    head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--abbrev=7", "--", "decode", "heads",
+                           "checkpoints", "configs"], capture_output=True, text=True)
+    assert made["commit"].removesuffix("+changes") == (head.stdout.strip() if head.returncode == 0 else "unknown")
+    assert made["machine"].endswith(f"{torch.get_num_threads()} threads") or torch.cuda.is_available()
+    assert ("AMX" in made["machine"]) and (torch.backends.cpu.get_cpu_capability() in made["machine"])
+    other = {"commit": "abcdef0", "machine": "another CPU"}
+    assert made_by([made, made, other]) == f"decoded at {made['commit']} on {made['machine']} and at abcdef0 on another CPU"
+    assert made_by([{}]) == "decoded at an unrecorded commit on an unrecorded machine"  # a CSV from before provenance
 
 
 def test_bootstrap_interval_and_call_log_cost_model():

@@ -44,7 +44,7 @@ from decode.costs.model import tree_costs
 from decode.evaluation.bench import code_fingerprint, save_json
 from decode.evaluation.bench_config import check_ignore_eos, stops_at_eos
 from decode.evaluation.intervals import bootstrap_ci
-from decode.evaluation.report import pyplot
+from decode.evaluation.report import made_by, provenance, pyplot
 from decode.hf import hf_generate_batch
 from decode.pair import Pair, Sampling, load_pair, read_yaml
 from decode.policies import DraftConfidence, FixedK
@@ -271,7 +271,9 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
                 res = measure(pair, here, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
                          "batch-size table (dev)": f"K = {BatchSizeK(table).begin(b)} at this size"}
-                save_json(path, summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting, b, notes))
+                made = provenance()  # saved with the rows: a run resumed on another machine names both
+                save_json(path, [r | made for r in summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting,
+                                                              b, notes)])
             rows += json.loads(path.read_text())
     write(rows, out_dir, quick)
     print(f"batch bench took {(time.perf_counter() - t_start) / 60:.1f} min; {out_dir}/batch.csv, batch.md, batch_speedup.png")
@@ -280,7 +282,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
 
 def markdown(rows: list[dict]) -> str:
     """One table per setting: methods down, batch sizes across, speedup [interval]; tok/s and KV memory below."""
-    lines = []
+    lines = [f"Batch bench {made_by(rows)}.", ""]
     for setting in dict.fromkeys(r["setting"] for r in rows):
         sub = [r for r in rows if r["setting"] == setting]
         sizes = sorted({r["batch_size"] for r in sub})

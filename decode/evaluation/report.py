@@ -4,7 +4,12 @@ whole (write_atomic)."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]  # the project root: the README, and git for provenance()
 
 COLUMNS = [("method", "method", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"),
            ("speedup_ci", "95% interval", "{}"),
@@ -21,6 +26,45 @@ def write_atomic(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".part")
     write(tmp)
     os.replace(tmp, path)
+
+
+def provenance() -> dict[str, str]:
+    """What made a result, saved with it: the commit and the machine.
+
+    The commit is the last one that changed what decides a result (decode/, heads/, checkpoints/, configs/), so a
+    bench resumed across sessions, with only docs committed between, names one commit; "+changes" where those
+    folders differ from it, "unknown" outside a git checkout. The machine is the CPU, the kernels torch picks, AMX or
+    not, and the threads (and the GPU if any): trees pay or lose with the verify's cost curve, which is the CPU's."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    decides = ("decode", "heads", "checkpoints", "configs")
+    commit = git("log", "-1", "--format=%h", "--abbrev=7", "--", *decides) or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--", *decides):
+        commit += "+changes"
+    cpu, flags = "unknown CPU", ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name"))
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    except (OSError, StopIteration):
+        pass
+    machine = f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, {'AMX' if 'amx_bf16' in flags else 'no AMX'}, " \
+              f"{torch.get_num_threads()} threads"
+    if torch.cuda.is_available():
+        machine += f", {torch.cuda.get_device_name()}"
+    return {"commit": commit, "machine": machine}
+
+
+def made_by(rows: list[dict]) -> str:
+    """'decoded at <commit> on <machine>' from rows that carry provenance(), one clause per distinct pair (a run
+    resumed across machines names each)."""
+    made = dict.fromkeys((r.get("commit") or "an unrecorded commit", r.get("machine") or "an unrecorded machine") for r in rows)
+    return "decoded " + " and ".join(f"at {c} on {m}" for c, m in made)
 
 
 def table(rows: list[dict]) -> str:
@@ -95,7 +139,7 @@ def quality_plot(rows: list[dict], path: Path, title: str) -> Path:
 README_START, README_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 
 
 def from_root(path: Path, root: Path) -> Path:

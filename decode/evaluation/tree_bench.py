@@ -26,6 +26,7 @@ import numpy as np
 from decode.engine import Autoregressive, SpeculativeDecoder
 from decode.evaluation.bench_config import encode_prompts
 from decode.evaluation.intervals import bootstrap_ci
+from decode.evaluation.report import made_by, provenance
 from decode.evaluation.tree_plan import SETTINGS
 from decode.pair import load_pair
 from decode.policies import CostAwareStop, FixedK
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             print(text + "\n", flush=True)
             parts.append(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("# Token trees against chains at batch 1\n\nWritten by `python -m "
-                              "decode.evaluation.tree_bench`.\n\n" + "\n\n".join(parts) + "\n")
+    Path(args.out).write_text("# Token trees against chains at batch 1\n\nWritten by `python -m decode.evaluation."
+                              f"tree_bench`, {made_by([provenance()])}.\n\n" + "\n\n".join(parts) + "\n")
     print(f"wrote {args.out}")
 
 
