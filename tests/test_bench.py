@@ -6,8 +6,7 @@ import torch
 import yaml
 
 from decode.evaluation.bench import expand, run
-from decode.evaluation.bench_config import ROOT
-from decode.evaluation.report import provenance
+from decode.evaluation.report import made_by, provenance
 
 TINY_BENCH = {
     "max_new_tokens": 10, "prompt_sets": [{"name": "pycode", "dev": {"split": "dev", "limit": 3},
@@ -110,7 +109,7 @@ def test_bench_prints_table_and_writes_csv_and_plots(tmp_path, capsys):
     # each row carries what made it, and the tables' first line names it (the commit and the machine)
     made = provenance()
     assert all(r["commit"] == made["commit"] and r["machine"] == made["machine"] for r in rows)
-    assert f"decoded at {made['commit']} on {made['machine']}." in (tmp_path / "out" / "bench.md").read_text()
+    assert f"{made_by(rows)}." in (tmp_path / "out" / "bench.md").read_text() and made["machine"] in made_by(rows)
     for png in ("pareto_pycode_t1.png", "speed_quality_pycode_t1.png"):
         assert (tmp_path / "out" / png).stat().st_size > 5000
     again = run(str(path))  # every section resumes from its saved rows
@@ -143,17 +142,40 @@ def test_a_saved_split_is_keyed_by_the_code_and_the_heads_that_made_it(tmp_path,
     assert bench.fingerprint(with_head) != retrained and bench.fingerprint(with_head[:1]) != without
 
 
-def test_provenance_names_the_commit_and_the_machine_and_a_run_made_on_two_names_both():
-    from decode.evaluation.report import made_by
+def test_provenance_names_the_last_commit_that_changed_what_decides_a_result(tmp_path, monkeypatch):
+    import decode.evaluation.report as report
 
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    assert provenance()["commit"] == "unknown"  # not a git checkout: said, never raised
+
+    def commit(*files: str) -> str:
+        for f in files:
+            (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / f).write_text(f"{f} {len(list(tmp_path.rglob('*')))}")
+        git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "add", "-A"], check=True, capture_output=True)
+        subprocess.run([*git, "commit", "-qm", "x"], check=True, capture_output=True)
+        return subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    engine = commit("decode/engine.py", "docs/a.md")
+    assert provenance()["commit"] == engine
+    commit("docs/a.md", "decode/evaluation/report.py", "README.md")  # docs and presentation: the rows are the same
+    assert provenance()["commit"] == engine
+    assert commit("checkpoints/h/config.json") == provenance()["commit"] != engine  # a retrained head
+    (tmp_path / "heads/head.py").parent.mkdir()
+    (tmp_path / "heads/head.py").write_text("uncommitted")
+    assert provenance()["commit"].endswith("+changes")
+
+
+def test_provenance_names_the_machine_and_a_run_made_on_two_names_both():
     made = provenance()
-    head = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--abbrev=7", "--", "decode", "heads",
-                           "checkpoints", "configs"], capture_output=True, text=True)
-    assert made["commit"].removesuffix("+changes") == (head.stdout.strip() if head.returncode == 0 else "unknown")
-    assert made["machine"].endswith(f"{torch.get_num_threads()} threads") or torch.cuda.is_available()
-    assert ("AMX" in made["machine"]) and (torch.backends.cpu.get_cpu_capability() in made["machine"])
-    other = {"commit": "abcdef0", "machine": "another CPU"}
-    assert made_by([made, made, other]) == f"decoded at {made['commit']} on {made['machine']} and at abcdef0 on another CPU"
+    cpu = f"({torch.backends.cpu.get_cpu_capability()}, {{}}, {torch.get_num_threads()} threads)"
+    assert cpu.format("AMX") in made["machine"] or cpu.format("no AMX") in made["machine"]
+    other = {"commit": "abcdef0+changes", "machine": "another CPU"}
+    assert made_by([made, made, other]).endswith("; at abcdef0 with uncommitted changes on another CPU")
+    assert made_by([made]).count(" on ") == 1  # one clause per distinct pair
     assert made_by([{}]) == "decoded at an unrecorded commit on an unrecorded machine"  # a CSV from before provenance
 
 

@@ -239,7 +239,7 @@ def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tiny_pair, t
     chains, printing a row per method with its interval against the dev-chosen chain; the head rows run where the
     setting's heads exist and are left out, in one line, where they do not."""
     from decode.evaluation import tree_bench, tree_plan
-    from decode.evaluation.report import provenance
+    from decode.evaluation.report import made_by, provenance
     from tests.test_head_tree import sibling_head
 
     plan, out = tmp_path / "trees.json", tmp_path / "trees.md"
@@ -261,7 +261,7 @@ def test_the_plan_and_the_tree_bench_run_end_to_end(tiny_pair_yaml, tiny_pair, t
                      "--chain_head", str(tmp_path / "none{suffix}")])
     text = out.read_text()
     assert "chain chosen on dev: K = " in text
-    assert f"decoded at {provenance()['commit']} on {provenance()['machine']}." in text
+    assert f"{made_by([provenance()])}." in text
     for name in ("target", "chain K=1", "chain K=6", "tree sequoia", "tree confidence", "tree head"):
         assert f"| {name} |" in text
     assert "| chain cost-aware |" not in text

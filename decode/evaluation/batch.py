@@ -54,7 +54,7 @@ from decode.tree.head import HeadTree
 AGAIN = "target alone again (A/A)"
 TREE = "tree head"  # decodes at cfg.tree_sizes only
 COLUMNS = ["prompts", "setting", "batch_size", "method", "tokens_per_s", "speedup", "lo", "hi",
-           "row_latency_s", "peak_kv_mib", "drafted", "batches", "note"]
+           "row_latency_s", "peak_kv_mib", "drafted", "batches", "note", "commit", "machine"]
 
 
 @dataclass
@@ -249,6 +249,7 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
     cache = out_dir / ("batch_cache_quick" if quick else "batch_cache")
     cache.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)
+    made = provenance()  # read once, before any work: the code and machine this process runs, saved with each size
     base = load_pair(cfg.pair)
     t_start, rows = time.perf_counter(), []
     pairs = [base.with_sampling(**raw) for raw in cfg.settings]
@@ -271,7 +272,6 @@ def run(config: str, quick: bool = False, output: str | None = None) -> list[dic
                 res = measure(pair, here, groups, cfg.seed, f"{setting} B={b}")
                 notes = {f"SD K={single}": "the single K best over all sizes on dev",
                          "batch-size table (dev)": f"K = {BatchSizeK(table).begin(b)} at this size"}
-                made = provenance()  # saved with the rows: a run resumed on another machine names both
                 save_json(path, [r | made for r in summarise(res, f"{cfg.test['name']}/{cfg.test['split']}", setting,
                                                               b, notes)])
             rows += json.loads(path.read_text())

@@ -46,6 +46,7 @@ from decode.evaluation.bench_config import (
 from decode.evaluation.goals import goal_lines
 from decode.evaluation.measuring import choose, choose_by_replay, generator_for, interleaved, replayable, rows_of
 from decode.evaluation.report import (
+    PRESENTS_ROWS,
     from_root,
     made_by,
     pareto_plot,
@@ -64,12 +65,6 @@ __all__ = ["ROOT", "Method", "BadBenchConfig", "build", "choose", "choose_by_rep
            "encode_prompts", "expand", "fingerprint", "generator_for", "head_lines", "interleaved", "load_config",
            "replayable", "rows_of", "run", "run_split", "save_json", "split_files", "work_key", "write_outputs"]
 
-# decode modules (paths under decode/) that read, compare or present a split's saved rows and never make them: a
-# change to them re-renders the tables from the saved splits instead of decoding every split again (two hours on a
-# 2-core CPU). By path: decode/policies/__init__.py and decode/control/__init__.py say which class a config's
-# class_path names, so they make rows
-PRESENTS_ROWS = ("__init__.py", "__main__.py", "evaluation/__init__.py", "evaluation/compare.py", "evaluation/goals.py",
-                 "evaluation/report.py", "evaluation/summary.py")
 
 
 def fingerprint(methods: list[Method]) -> str:
@@ -136,7 +131,8 @@ def dev_choices(pair: Pair, label: str, prompts, methods: list[Method], cfg: dic
     return kept, lines, marked
 
 
-def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path) -> list[dict]:
+def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict, cache: Path,
+              made: dict[str, str]) -> list[dict]:
     """One split of one section, resumed from `cache` when the same code did the same work before. A section whose
     setting the config's ignore_eos names decodes every prompt's whole budget through its EOS (fixed lengths)."""
     stop = stops_at_eos(pair, cfg["ignore_eos"])
@@ -157,7 +153,6 @@ def run_split(pair: Pair, label: str, prompts, methods: list[Method], cfg: dict,
     generator_for(pair, methods[0])(prompts[0], min(8, n), 0)  # warm-up (prompts leave room for n tokens)
     res = interleaved(pair, methods, prompts, n, cfg["seed"], cfg["repeats"], label, remeasure, stop)
     cost = CostModel.mean(costs)
-    made = provenance()  # outside the split's key, saved with its rows: a resumed run's header names who made them
     rows = [r | made for r in rows_of(pair, methods, res, prompts, label, cost)]
     target = next(r for r in rows if r["kind"] == "target")
     note = (f"cost model (mean of {len(costs)} measurements through the section): {cost.describe()}; "
@@ -191,6 +186,7 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
         raise ValueError("--readme true with --quick true would put a smoke run's figures in README.md: drop one")
     cfg = load_config(config, quick, repeats, output, prompt_sets, settings)
     torch.set_num_threads(cfg["threads"])
+    made = provenance()  # read once, before any work: the code and machine this process runs, whatever lands meanwhile
     pair = load_pair(cfg["pair"])
     out_dir = Path(cfg["output"]) if Path(cfg["output"]).is_absolute() else ROOT / cfg["output"]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -215,13 +211,13 @@ def run(config: str, quick: bool = False, readme: bool = False, repeats: int | N
             if "dev" in ps and not quick and any(m.select == "dev" and not replayable(m, setting) for m in methods):
                 swept = [m for m in methods if m.kind == "target" or (m.select == "dev" and not replayable(m, setting))]
                 rows = run_split(sec_pair, f"{ps['name']}/dev {setting.name}", encode_prompts(sec_pair, ps["dev"], cfg["max_new_tokens"]),
-                                 swept, cfg, out_dir / "sections")
+                                 swept, cfg, out_dir / "sections", made)
                 dev_rows += rows
                 dev_md += [f"### {ps['name']}/dev {setting.name} (full sweep)", table(rows)]
                 methods = choose(methods, rows, cfg["quality_tolerance"])
             label = f"{ps['name']}/test {setting.name}"
             rows = run_split(sec_pair, label, encode_prompts(sec_pair, ps["test"], cfg["max_new_tokens"]), methods,
-                             cfg, out_dir / "sections")
+                             cfg, out_dir / "sections", made)
             for r in rows:  # outside the split's cache key: a resumed split takes the choice this run made
                 r["dev_choice"] = r["method"] in marked
             lines = head_lines(methods) + goal_lines(rows, cfg.get("goals", []))

@@ -28,43 +28,63 @@ def write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+# decode modules (paths under decode/) that read, compare or present a split's saved rows and never make them: a
+# change to them re-renders the tables from the saved splits instead of decoding every split again (two hours on a
+# 2-core CPU), and leaves provenance()'s commit where it was. By path: decode/policies/__init__.py and
+# decode/control/__init__.py say which class a config's class_path names, so they make rows
+PRESENTS_ROWS = ("__init__.py", "__main__.py", "evaluation/__init__.py", "evaluation/compare.py", "evaluation/goals.py",
+                 "evaluation/report.py", "evaluation/summary.py")
+
+
 def provenance() -> dict[str, str]:
-    """What made a result, saved with it: the commit and the machine.
+    """What made a result, saved with it: {"commit", "machine"}.
 
-    The commit is the last one that changed what decides a result (decode/, heads/, checkpoints/, configs/), so a
-    bench resumed across sessions, with only docs committed between, names one commit; "+changes" where those
-    folders differ from it, "unknown" outside a git checkout. The machine is the CPU, the kernels torch picks, AMX or
-    not, and the threads (and the GPU if any): trees pay or lose with the verify's cost curve, which is the CPU's."""
-    def git(*args: str) -> str:
+    The commit is the last one that changed what decides a result (decode/ less PRESENTS_ROWS, heads/, data_gen/,
+    checkpoints/, configs/), so a bench resumed across sessions with only docs or presentation committed between
+    names one commit; "+changes" where those folders differ from it, "+changes?" where git could not tell, "unknown"
+    outside a git checkout. The machine is the CPU (the kernels torch picks, AMX or not, threads) and the GPU if
+    any: trees pay or lose with the verify's cost curve, which is the hardware's. Never raises."""
+    def git(*args: str) -> str | None:  # None where git is missing, fails or hangs
         try:
-            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+            return subprocess.run(["git", "--no-optional-locks", "-C", str(ROOT), *args], capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.strip()
+        except Exception:  # noqa: BLE001 - provenance is a note on a result: it must never cost the result
+            return None
 
-    decides = ("decode", "heads", "checkpoints", "configs")
+    decides = ["decode", "heads", "data_gen", "checkpoints", "configs",
+               *(f":(exclude)decode/{f}" for f in PRESENTS_ROWS)]
     commit = git("log", "-1", "--format=%h", "--abbrev=7", "--", *decides) or "unknown"
-    if commit != "unknown" and git("status", "--porcelain", "--", *decides):
-        commit += "+changes"
-    cpu, flags = "unknown CPU", ""
+    if commit != "unknown":
+        status = git("status", "--porcelain", "--", *decides)
+        commit += "+changes?" if status is None else "+changes" if status else ""
+    cpu, flags = "an unknown CPU", ""
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next(ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name"))
-        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    except (OSError, StopIteration):
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), cpu)
+        flags = next((ln for ln in info if ln.startswith("flags")), "")
+    except OSError:
         pass
-    machine = f"{cpu}, {torch.backends.cpu.get_cpu_capability()}, {'AMX' if 'amx_bf16' in flags else 'no AMX'}, " \
-              f"{torch.get_num_threads()} threads"
-    if torch.cuda.is_available():
-        machine += f", {torch.cuda.get_device_name()}"
+    machine = f"{cpu} ({torch.backends.cpu.get_cpu_capability()}, {'AMX' if 'amx_bf16' in flags else 'no AMX'}, " \
+              f"{torch.get_num_threads()} threads)"
+    try:
+        if torch.cuda.is_available():
+            machine += f" with {torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    except Exception:  # noqa: BLE001 - as above
+        pass
     return {"commit": commit, "machine": machine}
 
 
 def made_by(rows: list[dict]) -> str:
-    """'decoded at <commit> on <machine>' from rows that carry provenance(), one clause per distinct pair (a run
-    resumed across machines names each)."""
-    made = dict.fromkeys((r.get("commit") or "an unrecorded commit", r.get("machine") or "an unrecorded machine") for r in rows)
-    return "decoded " + " and ".join(f"at {c} on {m}" for c, m in made)
+    """'decoded at <commit> on <machine>' from rows that carry provenance(), one clause per distinct pair, in the
+    order the rows give them (a run resumed across machines names each; each row's pair is in the CSV)."""
+    made = dict.fromkeys((r.get("commit") or "an unrecorded commit", r.get("machine") or "an unrecorded machine")
+                         for r in rows)
+    def words(commit: str) -> str:
+        if commit == "unknown":
+            return "an unknown commit"
+        return commit.replace("+changes?", " (uncommitted changes unknown)").replace("+changes", " with uncommitted changes")
+
+    return "decoded " + "; ".join(f"at {words(c)} on {m}" for c, m in made)
 
 
 def table(rows: list[dict]) -> str:

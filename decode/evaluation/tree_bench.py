@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/bench/trees.md")
     args = ap.parse_args(argv)
+    made = provenance()  # read once, before any work: the code and machine this process runs
     plan, base, parts = json.loads(Path(args.plan).read_text()), load_pair(args.pair), []
     for name in args.settings:
         if name not in plan:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             parts.append(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("# Token trees against chains at batch 1\n\nWritten by `python -m decode.evaluation."
-                              f"tree_bench`, {made_by([provenance()])}.\n\n" + "\n\n".join(parts) + "\n")
+                              f"tree_bench`, {made_by([made])}.\n\n" + "\n\n".join(parts) + "\n")
     print(f"wrote {args.out}")
 
 
