@@ -410,6 +410,8 @@ def test_summary_joins_runs_of_other_sections_and_reads_the_named_heads(tmp_path
     assert len(lines) == 5 and "| instruct | greedy |" in lines[2] and "| instruct | T = 1 |" in lines[3]
     assert "| humaneval | greedy |" in lines[4]
     assert lines[2].endswith("| 0.810 / 0.500 | 0.910 / 0.500 |") and lines[3].endswith("| 0.710 / 0.500 | 0.610 / 0.500 |")
+    # a head's dev AUROC is one figure, not a reading on each prompt set: later sets point back to the first
+    assert lines[4].endswith("| as for instruct | as for instruct |")
 
 
 def test_goals_against_the_fixed_k_chosen_on_dev():

@@ -11,7 +11,7 @@ it, with its 95% interval, of fixed-K speculative decoding (the K best on test i
 dev), each learned controller, the training-free
 rules and the hindsight oracle (methods whose thresholds the bench chose on dev prompts appear with the chosen
 one), and the dev AUROC of the SpecDec++ heads (the main recipe's, and the prev head's that the stopping rules
-read) beside the draft confidence's for the same event.
+read) beside the draft confidence's for the same event: one figure per head, on the first prompt set's row.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> s
                                    list(SETTINGS).index(s.split()[-1]) if s.split()[-1] in SETTINGS else 9, s))
     columns = [(c, f) for c, f in COLUMNS if any(member(r, f) for r in rows)]  # none decoded: no column
     header = ["prompts", "setting", "target alone tok/s"] + [c for c, _ in columns] + \
-        ["SpecDec++ head AUROC / draft confidence", "prev head AUROC / draft confidence"]
+        ["SpecDec++ head dev AUROC / draft confidence", "prev head dev AUROC / draft confidence"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    shown: dict[str, str] = {}  # setting -> the prompt set whose row shows its heads' AUROC
     for split in splits:
         mine = [r for r in rows if r["prompts"] == split]
         target = next(r for r in mine if r["family"] == "target")
@@ -78,7 +79,10 @@ def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> s
             best = max(fam, key=lambda r: float(r["speedup"]), default=None)
             cells.append("-" if best is None else cell(best) + (f" ({best['method'].split()[-1]})"
                                                                  if family.startswith("fixed-K") else ""))
-        cells += [head_auroc(setting, head), head_auroc(setting, prev_head)]
+        # one dev figure per head, not a reading on these prompts: shown once, its later rows point back to it
+        first = shown.setdefault(setting, cells[0])
+        cells += [head_auroc(setting, head), head_auroc(setting, prev_head)] if first == cells[0] else \
+            [f"as for {first}"] * 2
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
