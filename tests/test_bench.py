@@ -414,6 +414,40 @@ def test_summary_joins_runs_of_other_sections_and_reads_the_named_heads(tmp_path
     assert lines[4].endswith("| as for instruct | as for instruct |")
 
 
+def test_summary_refuses_what_would_make_a_misleading_table(tmp_path, capsys):
+    """A split in two runs (its ratios over two targets), a split without its target row, a head folder that is not
+    there: each a one-line error naming the fix, where the table would have mixed runs, crashed or shown no figure."""
+    from decode.evaluation.summary import main
+
+    fields = ["prompts", "method", "family", "kind", "tokens_per_s", "speedup", "speedup_lo", "speedup_hi"]
+
+    def run_csv(name, rows):
+        path = tmp_path / name / "bench.csv"
+        path.parent.mkdir()
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for row in rows:
+                w.writerow(dict(zip(fields, row)))
+        return str(path)
+
+    target = ["instruct/test greedy", "target", "target", "target", "20", "1", "1", "1"]
+    sd = ["instruct/test greedy", "SD K=3", "fixed-K", "spec", "30", "1.5", "1.4", "1.6"]
+    heads = ["--head", "checkpoints/smollm2/specdecpp", "--prev_head", "checkpoints/smollm2/specdecpp-prev"]
+    for argv, said in (([run_csv("a", [target, sd]), run_csv("b", [target, sd])] + heads, "is in both"),
+                       ([run_csv("c", [sd])] + heads, "has no target row"),
+                       ([run_csv("d", [target, sd]), "--head", "checkpoints/smollm2/typo"], "no head folder")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert said in err, err
+    # no figure on the first set's row: later sets say so too, rather than pointing back at nothing
+    from decode.evaluation.summary import summary
+
+    rows = [dict(zip(fields, [p + r[0][8:]] + r[1:])) for p in ("instruct", "humaneval") for r in (target, sd)]
+    assert [line.endswith("| - | - |") for line in summary(rows, "nohead", "nohead").splitlines()[2:]] == [True] * 2
+
+
 def test_goals_against_the_fixed_k_chosen_on_dev():
     from decode.evaluation.goals import goal_lines
 

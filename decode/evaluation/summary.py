@@ -71,7 +71,9 @@ def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> s
     shown: dict[str, str] = {}  # setting -> the prompt set whose row shows its heads' AUROC
     for split in splits:
         mine = [r for r in rows if r["prompts"] == split]
-        target = next(r for r in mine if r["family"] == "target")
+        target = next((r for r in mine if r["family"] == "target"), None)
+        if target is None:  # every speedup is over it: a table without it would read nothing
+            raise ValueError(f"split {split!r} has no target row: decode it again (python -m decode bench resumes it)")
         setting = split.split()[-1]
         cells = [split.split("/")[0], SETTINGS.get(setting, setting), f"{float(target['tokens_per_s']):.0f}"]
         for _, family in columns:
@@ -81,8 +83,8 @@ def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> s
                                                                  if family.startswith("fixed-K") else ""))
         # one dev figure per head, not a reading on these prompts: shown once, its later rows point back to it
         first = shown.setdefault(setting, cells[0])
-        cells += [head_auroc(setting, head), head_auroc(setting, prev_head)] if first == cells[0] else \
-            [f"as for {first}"] * 2
+        aurocs = [head_auroc(setting, head), head_auroc(setting, prev_head)]
+        cells += aurocs if first == cells[0] else [a if a == "-" else f"as for {first}" for a in aurocs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -97,8 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if missing := [str(p) for p in args.csv if not p.exists()]:
         ap.error(f"{' '.join(missing)} not found: give the bench.csv of a run folder (docs/bench/bench.csv)")
-    rows = [r for path in args.csv for r in csv.DictReader(path.open())]
-    table = summary(rows, args.head, args.prev_head)
+    if missing := [h for h in (args.head, args.prev_head) if not any((ROOT / h).parent.glob(Path(h).name + "*/config.json"))]:
+        ap.error(f"no head folder {' or '.join(missing)}[-<setting>] with a config.json under {ROOT}: give the heads' "
+                 "folder relative to the project root, setting suffix left off")
+    rows, origin = [], {}
+    for path in args.csv:
+        for r in csv.DictReader(path.open()):
+            if origin.setdefault(r["prompts"], path) != path:  # one split, two runs: their ratios are over other targets
+                ap.error(f"{r['prompts']} is in both {origin[r['prompts']]} and {path}: give each split's run once")
+            rows.append(r)
+    try:
+        table = summary(rows, args.head, args.prev_head)
+    except ValueError as e:
+        ap.error(str(e))
     print(table)
     if args.readme:
         where = ", ".join(f"`{from_root(p.resolve().parent, ROOT)}/`" for p in args.csv)
