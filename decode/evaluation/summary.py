@@ -45,16 +45,23 @@ def cell(row: dict) -> str:
     return f"{s:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
-def head_auroc(setting: str, head: str = HEAD) -> str:
-    """'0.806 / 0.733': the head trained for `setting`'s dev AUROC and the draft confidence's, same event. The head
-    is `head`-<setting>, or `head` itself at the pair's own setting (no suffix): each config says its setting."""
+def head_config(setting: str, head: str = HEAD) -> dict | None:
+    """The config of the head trained for `setting`: `head`-<setting>, or `head` itself at the pair's own setting (no
+    suffix), each config saying its setting; None where neither is."""
     from decode.pair import Sampling
 
     for path in (ROOT / f"{head}-{setting}" / "config.json", ROOT / head / "config.json"):
         if path.exists() and Sampling.of((cfg := json.loads(path.read_text()))["sampling"]).name == setting:
-            m = cfg["metrics"]
-            return f"{m['auroc']:.3f} / {m['draft_confidence_auroc']:.3f}"
-    return "-"
+            return cfg
+    return None
+
+
+def head_auroc(setting: str, head: str = HEAD) -> str:
+    """'0.806 / 0.733': the head trained for `setting`'s dev AUROC and the draft confidence's, same event."""
+    if (cfg := head_config(setting, head)) is None:
+        return "-"
+    m = cfg["metrics"]
+    return f"{m['auroc']:.3f} / {m['draft_confidence_auroc']:.3f}"
 
 
 def summary(rows: list[dict], head: str = HEAD, prev_head: str = PREV_HEAD) -> str:
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if missing := [str(p) for p in args.csv if not p.exists()]:
         ap.error(f"{' '.join(missing)} not found: give the bench.csv of a run folder (docs/bench/bench.csv)")
-    if missing := [h for h in (args.head, args.prev_head) if not any((ROOT / h).parent.glob(Path(h).name + "*/config.json"))]:
+    if missing := [h for h in (args.head, args.prev_head) if not any(head_config(s, h) for s in SETTINGS)]:
         ap.error(f"no head folder {' or '.join(missing)}[-<setting>] with a config.json under {ROOT}: give the heads' "
                  "folder relative to the project root, setting suffix left off")
     rows, origin = [], {}
